@@ -1,0 +1,1 @@
+"""Flywheel: asynchronous GRPO post-training as independent services."""

@@ -1,0 +1,24 @@
+from services.common.pb.flywheel.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("messages", "n", "sampling")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    n: int
+    sampling: _types_pb2.SamplingParams
+    def __init__(self, messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Completion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[_types_pb2.Completion, _Mapping]]] = ...) -> None: ...
