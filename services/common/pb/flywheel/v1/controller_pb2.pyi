@@ -7,14 +7,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DatasetRow(_message.Message):
-    __slots__ = ("messages", "ground_truth")
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
-    ground_truth: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., ground_truth: _Optional[str] = ...) -> None: ...
-
 class EnvironmentSpec(_message.Message):
     __slots__ = ("name", "kind", "address", "rows", "jsonl_path", "weight", "max_turns", "sampling", "reward_scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -29,13 +21,13 @@ class EnvironmentSpec(_message.Message):
     name: str
     kind: str
     address: str
-    rows: _containers.RepeatedCompositeFieldContainer[DatasetRow]
+    rows: _containers.RepeatedCompositeFieldContainer[_types_pb2.DatasetRow]
     jsonl_path: str
     weight: float
     max_turns: int
     sampling: _types_pb2.SamplingParams
     reward_scale: float
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("spec",)

@@ -8,6 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PromptsRequest(_message.Message):
+    __slots__ = ("env_name", "count", "seed", "offset")
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    env_name: str
+    count: int
+    seed: int
+    offset: int
+    def __init__(self, env_name: _Optional[str] = ..., count: _Optional[int] = ..., seed: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PromptsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[_types_pb2.DatasetRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ...) -> None: ...
+
 class Episode(_message.Message):
     __slots__ = ("messages", "metadata")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class EnvironmentServiceStub:
                 request_serializer=flywheel_dot_v1_dot_environment__pb2.ListRequest.SerializeToString,
                 response_deserializer=flywheel_dot_v1_dot_environment__pb2.ListResponse.FromString,
                 _registered_method=True)
+        self.Prompts = channel.unary_unary(
+                '/flywheel.v1.EnvironmentService/Prompts',
+                request_serializer=flywheel_dot_v1_dot_environment__pb2.PromptsRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_environment__pb2.PromptsResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -89,6 +94,14 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prompts(self, request, context):
+        """Prompts for environments that generate their own (games, the toy task): a seeded,
+        reproducible stream. UNIMPLEMENTED or empty when the environment needs a dataset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=flywheel_dot_v1_dot_environment__pb2.ListRequest.FromString,
                     response_serializer=flywheel_dot_v1_dot_environment__pb2.ListResponse.SerializeToString,
+            ),
+            'Prompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prompts,
+                    request_deserializer=flywheel_dot_v1_dot_environment__pb2.PromptsRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_environment__pb2.PromptsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class EnvironmentService:
             '/flywheel.v1.EnvironmentService/List',
             flywheel_dot_v1_dot_environment__pb2.ListRequest.SerializeToString,
             flywheel_dot_v1_dot_environment__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.EnvironmentService/Prompts',
+            flywheel_dot_v1_dot_environment__pb2.PromptsRequest.SerializeToString,
+            flywheel_dot_v1_dot_environment__pb2.PromptsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/trainer.proto\x12\x0b\x66lywheel.v1\"\x16\n\x14TrainerStatusRequest\"[\n\x15TrainerStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0eweight_members\x18\x02 \x03(\t\x12\x19\n\x11last_sync_seconds\x18\x03 \x01(\x01\x32\x61\n\x0eTrainerService\x12O\n\x06Status\x12!.flywheel.v1.TrainerStatusRequest\x1a\".flywheel.v1.TrainerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/trainer.proto\x12\x0b\x66lywheel.v1\"\x1d\n\x1bTrainerServiceStatusRequest\"b\n\x1cTrainerServiceStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0eweight_members\x18\x02 \x03(\t\x12\x19\n\x11last_sync_seconds\x18\x03 \x01(\x01\x32o\n\x0eTrainerService\x12]\n\x06Status\x12(.flywheel.v1.TrainerServiceStatusRequest\x1a).flywheel.v1.TrainerServiceStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flywheel.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=42
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=64
-  _globals['_TRAINERSTATUSRESPONSE']._serialized_start=66
-  _globals['_TRAINERSTATUSRESPONSE']._serialized_end=157
-  _globals['_TRAINERSERVICE']._serialized_start=159
-  _globals['_TRAINERSERVICE']._serialized_end=256
+  _globals['_TRAINERSERVICESTATUSREQUEST']._serialized_start=42
+  _globals['_TRAINERSERVICESTATUSREQUEST']._serialized_end=71
+  _globals['_TRAINERSERVICESTATUSRESPONSE']._serialized_start=73
+  _globals['_TRAINERSERVICESTATUSRESPONSE']._serialized_end=171
+  _globals['_TRAINERSERVICE']._serialized_start=173
+  _globals['_TRAINERSERVICE']._serialized_end=284
 # @@protoc_insertion_point(module_scope)

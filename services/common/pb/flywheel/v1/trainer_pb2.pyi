@@ -6,11 +6,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class TrainerStatusRequest(_message.Message):
+class TrainerServiceStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class TrainerStatusResponse(_message.Message):
+class TrainerServiceStatusResponse(_message.Message):
     __slots__ = ("version", "weight_members", "last_sync_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_MEMBERS_FIELD_NUMBER: _ClassVar[int]

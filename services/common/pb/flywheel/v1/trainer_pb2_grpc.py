@@ -36,8 +36,8 @@ class TrainerServiceStub:
         """
         self.Status = channel.unary_unary(
                 '/flywheel.v1.TrainerService/Status',
-                request_serializer=flywheel_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
-                response_deserializer=flywheel_dot_v1_dot_trainer__pb2.TrainerStatusResponse.FromString,
+                request_serializer=flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=flywheel_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
-                    response_serializer=flywheel_dot_v1_dot_trainer__pb2.TrainerStatusResponse.SerializeToString,
+                    request_deserializer=flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class TrainerService:
             request,
             target,
             '/flywheel.v1.TrainerService/Status',
-            flywheel_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
-            flywheel_dot_v1_dot_trainer__pb2.TrainerStatusResponse.FromString,
+            flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusRequest.SerializeToString,
+            flywheel_dot_v1_dot_trainer__pb2.TrainerServiceStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lywheel/v1/types.proto\x12\x0b\x66lywheel.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"q\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\"\xbc\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fnum_generations\x18\x06 \x01(\x05\x12\x13\n\x0btarget_step\x18\x07 \x01(\x03\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x19\n\x11leased_at_unix_ns\x18\n \x01(\x03\x12\x14\n\x0creward_scale\x18\x0b \x01(\x02\"\xc7\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_mask\x18\x02 \x03(\x08\x12\x1b\n\x13generation_logprobs\x18\x03 \x03(\x02\x12\x15\n\rversion_start\x18\x04 \x01(\x03\x12\x13\n\x0bversion_end\x18\x05 \x01(\x03\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12@\n\rnamed_rewards\x18\x07 \x03(\x0b\x32).flywheel.v1.Completion.NamedRewardsEntry\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x11\n\ttruncated\x18\t \x01(\x08\x12\r\n\x05turns\x18\n \x01(\x05\x12\x0e\n\x06\x61nswer\x18\x0b \x01(\t\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc0\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x13\n\x0btarget_step\x18\x04 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x06 \x03(\x0b\x32\x17.flywheel.v1.Completion\x12\x15\n\rversion_start\x18\x07 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x08 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x19\n\x11leased_at_unix_ns\x18\x0b \x01(\x03\x12\x1b\n\x13\x66inished_at_unix_ns\x18\x0c \x01(\x03\"\x94\x01\n\x12WeightAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07members\x18\x06 \x03(\t\x12\x0c\n\x04path\x18\x07 \x01(\t\"D\n\x0cWeightLoaded\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"^\n\x10RolloutHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\"\x90\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x35\n\x07metrics\x18\x02 \x03(\x0b\x32$.flywheel.v1.StepReport.MetricsEntry\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\" \n\x0bStaleGroups\x12\x11\n\tgroup_ids\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lywheel/v1/types.proto\x12\x0b\x66lywheel.v1\x1a\x1cgoogle/protobuf/struct.proto\"c\n\nDatasetRow\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"q\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\"\xbc\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fnum_generations\x18\x06 \x01(\x05\x12\x13\n\x0btarget_step\x18\x07 \x01(\x03\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x19\n\x11leased_at_unix_ns\x18\n \x01(\x03\x12\x14\n\x0creward_scale\x18\x0b \x01(\x02\"\xc7\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_mask\x18\x02 \x03(\x08\x12\x1b\n\x13generation_logprobs\x18\x03 \x03(\x02\x12\x15\n\rversion_start\x18\x04 \x01(\x03\x12\x13\n\x0bversion_end\x18\x05 \x01(\x03\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12@\n\rnamed_rewards\x18\x07 \x03(\x0b\x32).flywheel.v1.Completion.NamedRewardsEntry\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x11\n\ttruncated\x18\t \x01(\x08\x12\r\n\x05turns\x18\n \x01(\x05\x12\x0e\n\x06\x61nswer\x18\x0b \x01(\t\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc0\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x13\n\x0btarget_step\x18\x04 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x06 \x03(\x0b\x32\x17.flywheel.v1.Completion\x12\x15\n\rversion_start\x18\x07 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x08 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x19\n\x11leased_at_unix_ns\x18\x0b \x01(\x03\x12\x1b\n\x13\x66inished_at_unix_ns\x18\x0c \x01(\x03\"\x94\x01\n\x12WeightAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07members\x18\x06 \x03(\t\x12\x0c\n\x04path\x18\x07 \x01(\t\"D\n\x0cWeightLoaded\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"^\n\x10RolloutHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\"\x90\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x35\n\x07metrics\x18\x02 \x03(\x0b\x32$.flywheel.v1.StepReport.MetricsEntry\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\" \n\x0bStaleGroups\x12\x11\n\tgroup_ids\x18\x01 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_options = b'8\001'
   _globals['_STEPREPORT_METRICSENTRY']._loaded_options = None
   _globals['_STEPREPORT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=70
-  _globals['_CHATMESSAGE']._serialized_end=114
-  _globals['_SAMPLINGPARAMS']._serialized_start=116
-  _globals['_SAMPLINGPARAMS']._serialized_end=229
-  _globals['_PROMPTGROUP']._serialized_start=232
-  _globals['_PROMPTGROUP']._serialized_end=548
-  _globals['_COMPLETION']._serialized_start=551
-  _globals['_COMPLETION']._serialized_end=878
-  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_start=827
-  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_end=878
-  _globals['_TRAJECTORYGROUP']._serialized_start=881
-  _globals['_TRAJECTORYGROUP']._serialized_end=1201
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1204
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1352
-  _globals['_WEIGHTLOADED']._serialized_start=1354
-  _globals['_WEIGHTLOADED']._serialized_end=1422
-  _globals['_ROLLOUTHEARTBEAT']._serialized_start=1424
-  _globals['_ROLLOUTHEARTBEAT']._serialized_end=1518
-  _globals['_STEPREPORT']._serialized_start=1521
-  _globals['_STEPREPORT']._serialized_end=1665
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=1619
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=1665
-  _globals['_STALEGROUPS']._serialized_start=1667
-  _globals['_STALEGROUPS']._serialized_end=1699
+  _globals['_DATASETROW']._serialized_start=70
+  _globals['_DATASETROW']._serialized_end=169
+  _globals['_CHATMESSAGE']._serialized_start=171
+  _globals['_CHATMESSAGE']._serialized_end=215
+  _globals['_SAMPLINGPARAMS']._serialized_start=217
+  _globals['_SAMPLINGPARAMS']._serialized_end=330
+  _globals['_PROMPTGROUP']._serialized_start=333
+  _globals['_PROMPTGROUP']._serialized_end=649
+  _globals['_COMPLETION']._serialized_start=652
+  _globals['_COMPLETION']._serialized_end=979
+  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_start=928
+  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_end=979
+  _globals['_TRAJECTORYGROUP']._serialized_start=982
+  _globals['_TRAJECTORYGROUP']._serialized_end=1302
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1305
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1453
+  _globals['_WEIGHTLOADED']._serialized_start=1455
+  _globals['_WEIGHTLOADED']._serialized_end=1523
+  _globals['_ROLLOUTHEARTBEAT']._serialized_start=1525
+  _globals['_ROLLOUTHEARTBEAT']._serialized_end=1619
+  _globals['_STEPREPORT']._serialized_start=1622
+  _globals['_STEPREPORT']._serialized_end=1766
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=1720
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=1766
+  _globals['_STALEGROUPS']._serialized_start=1768
+  _globals['_STALEGROUPS']._serialized_end=1800
 # @@protoc_insertion_point(module_scope)
