@@ -48,9 +48,9 @@ class RewardShapingConfig(Section):
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(8, gt=0)
     """Prompt groups in one optimizer step."""
-    num_generations_per_prompt: int = Field(8, gt=0)
+    num_generations_per_prompt: int = Field(16, gt=0)
     """Group size G: completions sampled per prompt."""
-    max_num_steps: int = Field(60, gt=0)
+    max_num_steps: int = Field(100, gt=0)
     """Optimizer steps in the run."""
     max_staleness: int = Field(1, ge=0)
     """k: step s may use groups with s - version_start <= k. NeMo RL's max_trajectory_age_steps; 0 is synchronous GRPO."""
@@ -86,8 +86,11 @@ class LossConfig(Section):
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     """beta; 0 skips the reference model."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman KL estimator of KL(pi_theta || pi_ref): k1, k2 or k3."""
     kl_input_clamp_value: float | None = 20.0
+    """Clamp of log(pi_ref / pi_theta) before the estimator; null disables."""
     kl_output_clamp_value: float | None = 10.0
+    """Clamp of the per-token KL estimate; null disables."""
     ratio_clip_min: float = Field(0.2, ge=0)
     """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min."""
     ratio_clip_max: float = Field(0.2, ge=0)
@@ -95,17 +98,23 @@ class LossConfig(Section):
     ratio_clip_c: float | None = Field(None, gt=1)
     """Dual-clip constant c > 1 for negative advantages; null disables."""
     use_on_policy_kl_approximation: bool = False
+    """Weight the KL by exp(current - generation logprobs), as the samples came from the generator."""
     use_importance_sampling_correction: bool = True
     """Weight by exp(prev - generation logprobs): corrects for the engine/trainer mismatch and staleness."""
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """tis clamps the weights, icepop zeroes out-of-bounds tokens, seq-mask-tis zeroes out-of-bounds sequences."""
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    """Upper bound of the importance weight (of its geometric mean per sequence for seq-mask-tis)."""
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    """Lower bound; tis defaults it to 0, icepop and seq-mask-tis need it."""
     sequence_level_importance_ratios: bool = False
     """GSPO: one length-normalized ratio per sequence; needs token_level_loss=false."""
     token_level_loss: bool = True
     """Average over the step's valid tokens (true) or over sequences (false)."""
     force_on_policy_ratio: bool = False
+    """Use sg(current) for prev logprobs: ratio 1 in value, gradients kept (one update per rollout)."""
     disable_ppo_ratio: bool = False
+    """REINFORCE/RLOO: the surrogate is -A * logprob, no ratio and no clipping."""
 
     @model_validator(mode="after")
     def _gspo_is_sequence_level(self) -> LossConfig:
@@ -113,9 +122,31 @@ class LossConfig(Section):
             raise ValueError("sequence_level_importance_ratios requires token_level_loss=false")
         return self
 
+    @model_validator(mode="after")
+    def _truncation_is_consistent(self) -> LossConfig:
+        """The checks NeMo RL's ClippedPGLossFn asserts at construction."""
+        kind, high, low = (
+            self.truncated_importance_sampling_type,
+            self.truncated_importance_sampling_ratio,
+            self.truncated_importance_sampling_ratio_min,
+        )
+        if (kind is None) != (high is None):
+            raise ValueError("set truncated_importance_sampling_type and _ratio together")
+        if kind is None:
+            return self
+        if not self.use_importance_sampling_correction:
+            raise ValueError("truncated importance sampling needs use_importance_sampling_correction=true")
+        if low is not None and low > high:
+            raise ValueError("truncated_importance_sampling_ratio_min must be <= _ratio")
+        if kind in ("icepop", "seq-mask-tis") and low is None:
+            raise ValueError(f"{kind} needs truncated_importance_sampling_ratio_min")
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError("seq-mask-tis is incompatible with sequence_level_importance_ratios")
+        return self
+
 
 class OptimizerConfig(Section):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
@@ -135,7 +166,7 @@ class GenerationConfig(Section):
     """NeMo RL `policy.generation`."""
 
     backend: Literal["hf", "vllm"] = "hf"
-    max_new_tokens: int = Field(4, gt=0)
+    max_new_tokens: int = Field(2, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
@@ -203,6 +234,13 @@ class ReplayConfig(Section):
     capacity_groups: int = Field(1024, gt=0)
     """Groups stored before ingest applies back-pressure."""
     selection: Literal["fifo", "freshest"] = "fifo"
+    """Which eligible groups a step gets: fifo (ingest order) or freshest (highest version_start first)."""
+    fetch_batch: int = Field(64, gt=0, le=4096)
+    """Messages pulled from the trajectory stream per fetch (fewer when the buffer is nearly full)."""
+    ack_wait_s: float = Field(30.0, gt=0, le=3600)
+    """JetStream ack wait: an unacked trajectory is redelivered after this many seconds."""
+    tombstone_ttl_s: int = Field(86400, gt=0)
+    """Seconds a consumed or evicted group id is remembered, so a late redelivery is not stored again."""
 
 
 class RolloutConfig(Section):

@@ -78,14 +78,16 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[EpisodeResult, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "address", "timeout_seconds")
+    __slots__ = ("name", "address", "kind", "timeout_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
+    kind: str
     timeout_seconds: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()
@@ -106,8 +108,8 @@ class ListRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("builtin_kinds", "remotes")
-    class RemotesEntry(_message.Message):
+    __slots__ = ("builtin_kinds", "registered")
+    class RegisteredEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +117,7 @@ class ListResponse(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BUILTIN_KINDS_FIELD_NUMBER: _ClassVar[int]
-    REMOTES_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
     builtin_kinds: _containers.RepeatedScalarFieldContainer[str]
-    remotes: _containers.ScalarMap[str, str]
-    def __init__(self, builtin_kinds: _Optional[_Iterable[str]] = ..., remotes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    registered: _containers.ScalarMap[str, str]
+    def __init__(self, builtin_kinds: _Optional[_Iterable[str]] = ..., registered: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -73,22 +73,23 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
-        """Adds or replaces a remote environment (forwarded to by name). Called by the controller
-        when a client submits an environment with an address.
+        """Adds or replaces a named environment: a built-in kind, or a remote server forwarded to.
+        The controller registers every environment of the mix; StepRequest.env_name is that name.
+        INVALID_ARGUMENT for an unknown kind or an unreachable address.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Unregister(self, request, context):
-        """Forgets a remote environment. Unknown names are not an error.
+        """Forgets a named environment. Unknown names are not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """Built-in kinds and registered remote names.
+        """Built-in kinds and registered names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,83 @@
+"""Load the policy and its tokenizer: a Hugging Face id, a local path, or the tiny local model.
+
+Only trainer and rollout import this module (it imports torch and transformers).
+"tiny" builds a small Llama- or Qwen2-style model with random weights and a
+character-level tokenizer, entirely offline: tests and the default local run use it.
+Any other name goes through `AutoModelForCausalLM.from_pretrained`, the same code a
+real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config)
+
+from services.common.config import PolicyConfig
+
+TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+TINY_CHARS = string.digits + string.ascii_lowercase + " :=+-*/()[]{}<>.,!?'\"\\_\n"
+# role initial + ":" per message, then "a:" to prompt the assistant; no hidden tokens.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + list(TINY_CHARS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(cfg: PolicyConfig, vocab_size: int, seed: int) -> PreTrainedModel:
+    shape = cfg.tiny
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.architecture]
+    config = config_cls(vocab_size=vocab_size, hidden_size=shape.hidden_size,
+                        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+                        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
+                        max_position_embeddings=max(256, cfg.max_total_sequence_length), tie_word_embeddings=False,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def load_tokenizer(cfg: PolicyConfig):
+    if cfg.model_name == "tiny":
+        return build_tiny_tokenizer()
+    tok = AutoTokenizer.from_pretrained(cfg.model_name)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"):
+    """(model, tokenizer) in train mode off; dtype from `cfg.precision`."""
+    tokenizer = load_tokenizer(cfg)
+    dtype = getattr(torch, cfg.precision)
+    if cfg.model_name == "tiny":
+        model = build_tiny_model(cfg, len(tokenizer), seed).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device).eval(), tokenizer
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logprob of each token under softmax(logits / T). logits [B,T,V], tokens [B,T] -> [B,T].
+
+    Rollout and trainer both score with this one function, so the engine/trainer
+    mismatch metrics measure numerics, not two definitions.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,107 @@
+"""The EnvironmentService servicer: decode, call the environment, encode.
+
+Built-in environments run in a worker thread (a verifier or the code sandbox may take a
+while; the event loop keeps answering). Registered remote environments are called
+through `RemoteEnvironment`, whose failures score episodes as failed, never the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from google.protobuf import json_format, struct_pb2
+
+from services.common.errors import InvalidArgument, NotFound, require
+from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
+from services.environment.remote import RemoteEnvironment
+
+NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
+
+
+def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
+    conversations = [[{"role": m.role, "content": m.content} for m in e.messages] for e in request.episodes]
+    metadata = [json_format.MessageToDict(e.metadata) for e in request.episodes]
+    return conversations, metadata
+
+
+def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
+    out = environment_pb2.EpisodeResult(
+        observation=types_pb2.ChatMessage(role="environment", content=r.observation), reward=r.reward,
+        named_rewards=r.named_rewards, terminated=r.terminated, next_stop_strings=r.next_stop_strings or [],
+        answer=r.answer or "", error=r.error)
+    if r.metadata is not None:
+        meta = struct_pb2.Struct()
+        meta.update(r.metadata)
+        out.metadata.CopyFrom(meta)
+    return out
+
+
+class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
+    """Named environments: built-ins by kind (always available under their kind) and registered names."""
+
+    def __init__(self) -> None:
+        self.named: dict[str, Environment | RemoteEnvironment] = {}
+        self.sources: dict[str, str] = {}
+
+    def _resolve(self, name: str) -> Environment | RemoteEnvironment:
+        if name not in self.named:
+            try:
+                self.named[name] = make_environment(name)
+            except UnknownEnvironment as err:
+                raise NotFound(f"no environment named {name!r}: {err}") from None
+            self.sources[name] = f"builtin:{name}"
+        return self.named[name]
+
+    async def Step(self, request, context):
+        require(request.env_name != "", "env_name is required")
+        require(len(request.episodes) > 0, "episodes must not be empty")
+        env = self._resolve(request.env_name)
+        if isinstance(env, RemoteEnvironment):
+            results = await env.step(request)
+        else:
+            conversations, metadata = decode_episodes(request)
+            results = await asyncio.to_thread(env.step, conversations, metadata,
+                                              return_extracted_answer=request.return_extracted_answer)
+        return environment_pb2.StepResponse(results=[encode_result(r) for r in results])
+
+    async def Register(self, request, context):
+        require(bool(NAME.match(request.name)), f"name must match {NAME.pattern}, got {request.name!r}")
+        require(bool(request.kind) != bool(request.address), "set exactly one of kind or address")
+        if request.kind:
+            try:
+                env = make_environment(request.kind)
+            except UnknownEnvironment as err:
+                raise InvalidArgument(str(err)) from None
+            source = f"builtin:{request.kind}"
+        else:
+            require(":" in request.address, f"address must be host:port, got {request.address!r}")
+            env = RemoteEnvironment(request.name, request.address, timeout_s=request.timeout_seconds or 30.0)
+            await env.check_reachable()
+            source = request.address
+        await self._drop(request.name)
+        self.named[request.name], self.sources[request.name] = env, source
+        return environment_pb2.RegisterResponse()
+
+    async def Unregister(self, request, context):
+        await self._drop(request.name)
+        return environment_pb2.UnregisterResponse()
+
+    async def _drop(self, name: str) -> None:
+        old = self.named.pop(name, None)
+        self.sources.pop(name, None)
+        if isinstance(old, RemoteEnvironment):
+            await old.close()
+
+    async def List(self, request, context):
+        return environment_pb2.ListResponse(builtin_kinds=sorted(BUILTIN), registered=self.sources)
+
+    async def Prompts(self, request, context):
+        require(1 <= request.count <= 100_000, f"count must be in 1..100000, got {request.count}")
+        require(request.offset >= 0, f"offset must be >= 0, got {request.offset}")
+        env = self._resolve(request.env_name)
+        if isinstance(env, RemoteEnvironment):
+            return await env.prompts(request)
+        rows = env.prompts(request.count, request.seed, request.offset) or []
+        return environment_pb2.PromptsResponse(rows=[json_format.ParseDict(r, types_pb2.DatasetRow()) for r in rows])

@@ -1,0 +1,1 @@
+"""Rollout workers: pull prompt groups, sample G completions, run the environment turns, publish groups."""

@@ -1,0 +1,151 @@
+"""The multi-turn loop: sample G episodes of one prompt, step the environment each turn.
+
+Per turn, the active episodes are generated in one batch, then scored in one batched
+EnvironmentService.Step. The observation is appended as tokens with loss mask 0
+(tokenized raw, as NeMo RL does) unless the episode ended. Each episode records the
+versions that produced its first and last generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format, struct_pb2
+
+from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.rollout.engine import Engine, Sampling
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeState:
+    messages: list[dict]
+    metadata: dict
+    stop_strings: list[str]
+    token_ids: list[int] = field(default_factory=list)
+    generated_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    named_rewards: dict[str, float] = field(default_factory=dict)
+    text: str = ""
+    answer: str = ""
+    truncated: bool = False
+    turns: int = 0
+    done: bool = False
+    version_start: int = -1
+    version_end: int = -1
+
+    def append(self, tokens: list[int], logprobs: list[float] | None) -> None:
+        self.token_ids += tokens
+        self.generated_mask += [logprobs is not None] * len(tokens)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+def to_struct(d: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def from_struct(s: struct_pb2.Struct) -> dict:
+    return json_format.MessageToDict(s)
+
+
+def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class EpisodeRunner:
+    """Runs one PromptGroup to a TrajectoryGroup with an engine and an environment stub."""
+
+    def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
+                 default_sampling, max_seq_len: int, env_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.env = env
+        self.default_sampling = default_sampling
+        self.max_seq_len = max_seq_len
+        self.env_timeout_s = env_timeout_s
+
+    async def run(self, group: types_pb2.PromptGroup, worker_id: str, version) -> types_pb2.TrajectoryGroup:
+        """`version` is a callable returning the version loaded now."""
+        tok = self.engine.tokenizer
+        prompt = [{"role": m.role, "content": m.content} for m in group.messages]
+        prompt_ids = prompt_token_ids(tok, prompt)
+        sampling = Sampling.resolve(self.default_sampling, group.sampling)
+        episodes = [EpisodeState(messages=list(prompt), metadata=from_struct(group.metadata),
+                                 stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
+        gen_s = env_s = 0.0
+        for _turn in range(max(1, group.max_turns)):
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            t0 = time.perf_counter()
+            await self._generate(active, prompt_ids, sampling, version)
+            t1 = time.perf_counter()
+            await self._step_environment(group, active, len(prompt_ids))
+            gen_s, env_s = gen_s + (t1 - t0), env_s + (time.perf_counter() - t1)
+        for e in episodes:
+            e.done = True
+        scale = group.reward_scale or 1.0
+        completions = [types_pb2.Completion(
+            token_ids=e.token_ids, generated_mask=e.generated_mask, generation_logprobs=e.logprobs,
+            version_start=e.version_start, version_end=e.version_end, reward=e.reward * scale,
+            named_rewards={k: v * scale for k, v in e.named_rewards.items()}, text=e.text,
+            truncated=e.truncated, turns=e.turns, answer=e.answer) for e in episodes]
+        return types_pb2.TrajectoryGroup(
+            group_id=group.group_id, prompt_id=group.prompt_id, env_name=group.env_name,
+            target_step=group.target_step, prompt_token_ids=prompt_ids, completions=completions,
+            version_start=min(e.version_start for e in episodes), generation_seconds=gen_s,
+            environment_seconds=env_s, worker_id=worker_id, leased_at_unix_ns=group.leased_at_unix_ns,
+            finished_at_unix_ns=time.time_ns())
+
+    async def _generate(self, active: list[EpisodeState], prompt_ids: list[int], sampling: Sampling, version) -> None:
+        inputs = [prompt_ids + e.token_ids for e in active]
+        by_stops: dict[tuple[str, ...], list[int]] = {}
+        for i, e in enumerate(active):  # episodes may ask for different stop strings
+            by_stops.setdefault(tuple(e.stop_strings), []).append(i)
+        for stops, idx in by_stops.items():
+            turn = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, stop_strings=list(stops))
+            v_before = version()
+            outs = await asyncio.to_thread(self.engine.generate, [inputs[i] for i in idx], turn)
+            v_after = version()
+            for i, out in zip(idx, outs):
+                e = active[i]
+                if e.version_start < 0:
+                    e.version_start = v_before
+                e.version_end = v_after
+                e.append(out.token_ids, out.logprobs)
+                e.messages.append({"role": "assistant", "content": out.text})
+                e.text += out.text
+                e.truncated |= out.truncated
+                e.turns += 1
+
+    async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int) -> None:
+        request = environment_pb2.StepRequest(env_name=group.env_name, episodes=[
+            environment_pb2.Episode(messages=[types_pb2.ChatMessage(**m) for m in e.messages],
+                                    metadata=to_struct(e.metadata)) for e in active])
+        response = await self.env.Step(request, timeout=self.env_timeout_s, wait_for_ready=True)
+        tok = self.engine.tokenizer
+        for e, r in zip(active, response.results, strict=True):
+            e.reward += r.reward
+            for k, v in r.named_rewards.items():
+                e.named_rewards[k] = e.named_rewards.get(k, 0.0) + v
+            e.answer = r.answer or e.answer
+            if r.terminated or e.turns >= max(1, group.max_turns):
+                e.done = True
+                continue
+            obs = r.observation.content
+            e.messages.append({"role": r.observation.role or "environment", "content": obs})
+            obs_ids = tok(obs, add_special_tokens=False).input_ids
+            room = self.max_seq_len - prompt_len - len(e.token_ids)
+            if len(obs_ids) >= room:  # no room for another turn: the episode ends truncated
+                e.truncated, e.done = True, True
+                continue
+            e.append(obs_ids, None)
+            if r.next_stop_strings:
+                e.stop_strings = list(r.next_stop_strings)
+            if r.HasField("metadata"):
+                e.metadata = from_struct(r.metadata)

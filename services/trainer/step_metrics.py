@@ -1,0 +1,32 @@
+"""Per-step metrics read off the batch (pure): reward, staleness, lengths, rollout timings.
+
+Names follow NeMo RL where it has one (train/reward_mean, timing/train/...).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from services.trainer.batch import TrainBatch
+
+
+def step_metrics(step: int, batch: TrainBatch, groups) -> dict[str, float]:
+    staleness = (step - batch.version_start).float()
+    generated = batch.token_mask.sum(dim=1)
+    out = {
+        "train/reward_mean": batch.rewards.mean().item(),
+        "train/staleness_mean": staleness.mean().item(),
+        "train/staleness_max": staleness.max().item(),
+        "train/mean_gen_tokens_per_sample": generated.mean().item(),
+        "train/truncation_rate": batch.truncated.float().mean().item(),
+        "train/num_samples": float(len(batch)),
+        # Rollout time spent on this batch (summed over its groups, whichever worker ran them).
+        "timing/train/generation": sum(g.generation_seconds for g in groups),
+        "timing/train/environment": sum(g.environment_seconds for g in groups),
+    }
+    by_env: dict[str, list[float]] = defaultdict(list)
+    for env, reward in zip(batch.env_names, batch.rewards.tolist()):
+        by_env[env].append(reward)
+    for env, rewards in by_env.items():
+        out[f"train/reward_mean/{env}"] = sum(rewards) / len(rewards)
+    return out
