@@ -81,7 +81,8 @@ class GRPOConfig(Section):
 
 
 class LossConfig(Section):
-    """NeMo RL `loss_fn` (ClippedPGLossConfig); same names, same defaults."""
+    """NeMo RL `loss_fn` (ClippedPGLossConfig): same names. Defaults differ in two places, on purpose:
+    no reference KL (beta 0) and importance-sampling correction on (async needs it)."""
 
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     """beta; 0 skips the reference model."""

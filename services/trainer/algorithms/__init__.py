@@ -1,0 +1,26 @@
+"""GRPO math: advantages, the clipped policy-gradient loss, off-policy correction, DAPO helpers.
+
+Pure and IO-free: these modules import torch and services.common.config only, and every
+function returns `(value, metrics)` where it has metrics. Semantics follow NeMo RL
+(see /work/shared/reference/nemo_rl.md §3-4 and docs/nemo_rl_mapping.md).
+"""
+
+from services.trainer.algorithms.advantages import compute_advantages, group_layout
+from services.trainer.algorithms.dapo import overlong_reward_penalty, zero_variance_groups
+from services.trainer.algorithms.importance import actor_importance_weights, mismatch_metrics
+from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
+from services.trainer.algorithms.loss import LossInputs, clipped_pg_loss, reduce_per_token
+
+__all__ = [
+    "LossInputs",
+    "actor_importance_weights",
+    "calculate_kl",
+    "clipped_pg_loss",
+    "compute_advantages",
+    "group_layout",
+    "mismatch_metrics",
+    "overlong_reward_penalty",
+    "reduce_per_token",
+    "reference_kl_per_token",
+    "zero_variance_groups",
+]
