@@ -1,0 +1,1 @@
+"""The environment service: scores episodes and drives multi-turn games (built-ins and remote proxies)."""

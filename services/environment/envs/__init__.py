@@ -1,0 +1,1 @@
+"""Built-in environments: math, code (sandboxed), sliding_puzzle, exact_match, toy_copy."""
