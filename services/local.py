@@ -74,32 +74,49 @@ def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Pat
     return cfg
 
 
+class LocalStack:
+    """NATS, Redis and every service on loopback; a context manager that stops them all."""
+
+    def __init__(self, cfg: FlywheelConfig, run_dir: Path) -> None:
+        logs = run_dir / "logs"
+        self.nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("w"))
+        self.redis = start_redis(run_dir / "redis", log_file=(logs / "redis.log").open("w"))
+        self.cfg = _assign_ports(cfg, self.nats, self.redis, run_dir)
+        self.config_path = write_resolved(self.cfg, run_dir)
+        self.children = Children(run_dir)
+
+    def start_services(self) -> None:
+        for service in START_ORDER:
+            if service != "rollout":
+                self.children.start(service, service, self.config_path)
+        for i in range(self.cfg.rollout.num_workers):
+            extra = [] if i == 0 else [f"addresses.rollout=127.0.0.1:{free_port()}"]
+            self.children.start(f"rollout-{i}", "rollout", self.config_path, extra)
+
+    def stop(self) -> None:
+        self.children.stop()
+        self.nats.stop()
+        self.redis.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | None) -> int:
     run_dir = _fresh_run_dir(run_dir_arg or cfg.run.run_dir or None)
-    logs = run_dir / "logs"
-    nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("w"))
-    redis = start_redis(run_dir / "redis", log_file=(logs / "redis.log").open("w"))
-    cfg = _assign_ports(cfg, nats, redis, run_dir)
-    config = write_resolved(cfg, run_dir)
-    print(f"flywheel up: run dir {run_dir}\n  nats {nats.url}  redis {redis.url}  "
-          f"controller {cfg.addresses.controller}", flush=True)
-    children = Children(run_dir)
-    try:
-        for service in START_ORDER:
-            if service == "rollout":
-                for i in range(cfg.rollout.num_workers):
-                    extra = [] if i == 0 else [f"addresses.rollout=127.0.0.1:{free_port()}"]
-                    children.start(f"rollout-{i}", "rollout", config, extra)
-            else:
-                children.start(service, service, config)
-        code = asyncio.run(_follow(cfg, children))
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping services", flush=True)
-        code = 130
-    finally:
-        children.stop()
-        nats.stop()
-        redis.stop()
+    with LocalStack(cfg, run_dir) as stack:
+        cfg = stack.cfg
+        print(f"flywheel up: run dir {run_dir}\n  nats {stack.nats.url}  redis {stack.redis.url}  "
+              f"controller {cfg.addresses.controller}", flush=True)
+        try:
+            stack.start_services()
+            code = asyncio.run(_follow(cfg, stack.children))
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping services", flush=True)
+            code = 130
     _summary(cfg, run_dir)
     return code
 

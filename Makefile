@@ -1,0 +1,29 @@
+# Set-up is part of every entry point, so each works on a fresh machine.
+# torch is installed first and exactly (the CPU wheel), so nothing pulls a CUDA build.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up test proto lint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[trainer,rollout,environment,nixl,dev]"
+	@touch $(STAMP)
+
+up: setup
+	$(VENV)/bin/flywheel up $(ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
+
+proto: setup
+	$(PY) -m services.common.protogen
+
+lint:
+	buf lint
