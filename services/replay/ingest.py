@@ -75,7 +75,7 @@ class Ingest:
             return
         try:
             msgs = await sub.fetch(min(self.cfg.fetch_batch, room), timeout=FETCH_TIMEOUT_S)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either, depending on the path
             return
         await self.handle(msgs)
 
