@@ -46,11 +46,11 @@ class RewardShapingConfig(Section):
 
 
 class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(8, gt=0)
+    num_prompts_per_step: int = Field(16, gt=0)
     """Prompt groups in one optimizer step."""
     num_generations_per_prompt: int = Field(16, gt=0)
     """Group size G: completions sampled per prompt."""
-    max_num_steps: int = Field(100, gt=0)
+    max_num_steps: int = Field(120, gt=0)
     """Optimizer steps in the run."""
     max_staleness: int = Field(1, ge=0)
     """k: step s may use groups with s - version_start <= k. NeMo RL's max_trajectory_age_steps; 0 is synchronous GRPO."""
@@ -249,6 +249,11 @@ class RolloutConfig(Section):
     """Rollout processes the local launcher starts."""
 
 
+class ControllerConfig(Section):
+    auth_token: str = Field("", max_length=4096)
+    """Bearer token every admin rpc must carry (metadata `authorization: Bearer <token>`); empty disables auth."""
+
+
 class TelemetryConfig(Section):
     otlp_endpoint: str = ""
     """OTLP gRPC endpoint for traces; empty disables export."""
@@ -267,6 +272,7 @@ class FlywheelConfig(Section):
     addresses: ServiceAddresses = ServiceAddresses()
     replay: ReplayConfig = ReplayConfig()
     rollout: RolloutConfig = RolloutConfig()
+    controller: ControllerConfig = ControllerConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
 
