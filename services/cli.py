@@ -93,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`serve replay --config F a=b`); argparse leaves those over.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except ConfigError as err:

@@ -28,7 +28,7 @@ def _fresh_run_dir(requested: str | None) -> Path:
     run_dir = Path(requested or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} already holds a run (metrics.jsonl); pass a fresh --run-dir")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir.resolve()
 
 
@@ -38,9 +38,13 @@ class Children:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.metrics_ports: dict[str, int] = {}
+        """Prometheus /metrics port of each child."""
 
     def start(self, name: str, service: str, config: Path, overrides: list[str] = ()) -> None:
         log = (self.run_dir / "logs" / f"{name}.log").open("w")
+        self.metrics_ports[name] = free_port()
+        overrides = [*overrides, f"telemetry.metrics_port={self.metrics_ports[name]}"]
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config), *overrides],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
@@ -79,6 +83,7 @@ class LocalStack:
 
     def __init__(self, cfg: FlywheelConfig, run_dir: Path) -> None:
         logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
         self.nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("w"))
         self.redis = start_redis(run_dir / "redis", log_file=(logs / "redis.log").open("w"))
         self.cfg = _assign_ports(cfg, self.nats, self.redis, run_dir)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -54,14 +55,17 @@ Register = Callable[[grpc.aio.Server], None]
 Main = Callable[[asyncio.Event], Awaitable[None]]
 
 
-async def run_service(name: str, address: str, register: Register, main: Main | None = None) -> None:
-    """Serve until SIGINT/SIGTERM or until `main` returns; raise if `main` fails."""
+async def run_service(name: str, address: str, register: Register, main: Main | None = None,
+                      interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+    """Serve until SIGINT/SIGTERM or until `main` returns; raise if `main` fails.
+
+    `interceptors` run after the error mapping (e.g. the controller's auth check)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()],
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors],
                              options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     health_servicer = health.aio.HealthServicer()
@@ -92,7 +96,36 @@ async def run_service(name: str, address: str, register: Register, main: Main | 
         raise work.exception()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """Client channel with the same message-size limits as the servers."""
+def channel(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """Client channel with the same message-size limits as the servers, plus `options`."""
     return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20),
-                                                       ("grpc.max_send_message_length", 256 << 20)])
+                                                       ("grpc.max_send_message_length", 256 << 20), *options])
+
+
+def in_daemon_thread(fn, *args, **kwargs) -> asyncio.Future:
+    """Run a blocking call (a collective, a training step) off the event loop.
+
+    Unlike asyncio.to_thread, the thread is a daemon: a service told to stop exits at once
+    instead of waiting, at interpreter shutdown, for a collective stuck on a dead peer.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def target() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:  # handed to the awaiting coroutine
+            outcome = (future.set_exception, err)
+        else:
+            outcome = (future.set_result, result)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=target, daemon=True).start()
+    return future

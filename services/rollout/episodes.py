@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format, struct_pb2
 
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.common.server import in_daemon_thread
 from services.rollout.engine import Engine, Sampling
 
 
@@ -110,7 +111,7 @@ class EpisodeRunner:
             turn = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                             top_p=sampling.top_p, top_k=sampling.top_k, stop_strings=list(stops))
             v_before = version()
-            outs = await asyncio.to_thread(self.engine.generate, [inputs[i] for i in idx], turn)
+            outs = await in_daemon_thread(self.engine.generate, [inputs[i] for i in idx], turn)
             v_after = version()
             for i, out in zip(idx, outs):
                 e = active[i]

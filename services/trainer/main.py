@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prometheus_client import Gauge
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
-from services.common.server import channel, run_service
+from services.common.server import channel, in_daemon_thread, run_service
 from services.common.telemetry import setup_telemetry
 from services.common.weights import WeightSender
 from services.trainer.algorithms import compute_advantages
@@ -32,6 +33,8 @@ from services.trainer.fsdp2 import FSDP2Policy
 from services.trainer.step_metrics import step_metrics
 
 log = logging.getLogger("flywheel.trainer")
+STEP_METRIC = Gauge("flywheel_trainer_step_metric", "Last value of each per-step metric (reward, KL, clip "
+                    "fraction, IS ratio, timings)", ["name"])
 LIVE_S = 5.0
 POLL_S = 0.01
 
@@ -94,7 +97,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = build_batch(response.groups, self.policy.tokenizer.pad_token_id,
                             overlong_filtering=self.cfg.grpo.overlong_filtering)
-        metrics = await asyncio.to_thread(self._train, batch)
+        metrics = await in_daemon_thread(self._train, batch)
         train_s = time.perf_counter() - t0
         sync_s = await self._sync(step + 1)
         metrics |= step_metrics(step, batch, response.groups)
@@ -115,7 +118,7 @@ class Trainer:
     async def _sync(self, version: int) -> float:
         members = self.members()
         state = self.policy.full_state_dict()
-        result = await asyncio.to_thread(self.sender.sync, version, members, state,
+        result = await in_daemon_thread(self.sender.sync, version, members, state,
                                          timeout_s=self.cfg.weight_sync.timeout_s)
         self.version, self.last_sync = version, result
         if result.members_dropped:
@@ -126,6 +129,8 @@ class Trainer:
 
     async def _report(self, step: int, metrics: dict[str, float]) -> None:
         final = step + 1 == self.cfg.grpo.max_num_steps
+        for name, value in metrics.items():
+            STEP_METRIC.labels(name).set(value)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         await self.bus.emit(self.bus.subjects.train_step, types_pb2.StepReport(step=step, metrics=metrics,

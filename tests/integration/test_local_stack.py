@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -63,7 +64,7 @@ def test_services_learn_toy_task_with_version_tags_and_no_group_used_twice(tmp_p
                 assert step - c.version_start <= g.max_staleness
 
 
-def test_every_service_answers_health_checks_and_stops_on_sigterm_within_5s(tmp_path):
+def test_every_service_answers_health_checks_serves_metrics_and_stops_on_sigterm_within_5s(tmp_path):
     with LocalStack(load_config(), tmp_path) as stack:
         stack.start_services()
         a = stack.cfg.addresses
@@ -72,8 +73,14 @@ def test_every_service_answers_health_checks_and_stops_on_sigterm_within_5s(tmp_
         for name, address in addresses.items():
             with grpc.insecure_channel(address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=120, wait_for_ready=True)
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=120, wait_for_ready=True)
+                except grpc.RpcError as err:
+                    raise AssertionError(f"{name} health check failed: {err}\n{stack.children.tail(name)}") from None
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            port = stack.children.metrics_ports[name]
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert "flywheel_" in body, f"{name} exports no flywheel_ metrics"
         for name, proc in stack.children.procs.items():
             assert proc.poll() is None, f"{name} exited early:\n{stack.children.tail(name)}"
             proc.send_signal(signal.SIGTERM)
