@@ -19,17 +19,22 @@ import time
 import uuid
 
 from opentelemetry import trace
+from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
 from services.common.config import EnvironmentSpec, FlywheelConfig
 from services.common.pb.flywheel.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from services.common.server import run_service
 from services.common.telemetry import setup_telemetry
+from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.controller.registry import Registry
 
 log = logging.getLogger("flywheel.controller")
 LIVE_S = 10.0
+LEASED = Counter("flywheel_controller_leased_groups_total", "Prompt groups leased", ["env"])
+OUTSTANDING = Gauge("flywheel_controller_outstanding_groups", "Groups leased and not yet consumed (queue depth)")
+LOADED = Gauge("flywheel_controller_loaded_version", "Newest policy version served by a live rollout worker")
 
 
 class Controller:
@@ -99,6 +104,7 @@ class Controller:
                 "group_id": group.group_id, "target_step": target, "env": group.env_name}):
             await self.bus.publish(self.bus.subjects.work, group, msg_id=group.group_id)
         self.leased[group.group_id] = group
+        LEASED.labels(group.env_name).inc()
 
     def _forget_consumed(self) -> None:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1
@@ -117,6 +123,9 @@ class Controller:
 
     async def _on_step(self, msg) -> None:
         self.trained_step = max(self.trained_step, types_pb2.StepReport.FromString(msg.data).step)
+        status = self.status()
+        OUTSTANDING.set(status.outstanding_groups)
+        LOADED.set(status.loaded_version)
         self.wake.set()
 
     async def _on_stale(self, msg) -> None:
@@ -175,7 +184,8 @@ async def serve(cfg: FlywheelConfig) -> None:
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(
-                              ControllerServicer(controller), server), controller.run)
+                              ControllerServicer(controller), server), controller.run,
+                          interceptors=auth.interceptors(cfg.controller.auth_token))
     finally:
         await registry.close()
         await bus.close()

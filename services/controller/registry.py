@@ -1,12 +1,17 @@
 """The environment mix: validated specs, their datasets, and weighted choice.
 
-A submitted environment is registered with the environment service under its name
-(a built-in kind or a remote address), its dataset is loaded and checked non-empty, and
-from then on `choose` may draw it: it joins the running mix at the next lease.
+A submitted environment is checked (`validate`), registered with the environment service
+under its name (a built-in kind, or a remote address the environment service must reach),
+its dataset is loaded and checked non-empty, and from then on `choose` may draw it: it
+joins the running mix at the next lease. Every rejection is a typed error with a message
+that names the environment and the field, so the client sees a clear INVALID_ARGUMENT
+(ALREADY_EXISTS for a name in use) and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -14,20 +19,27 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.config import FlywheelConfig
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, require
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import channel
 from services.controller.datasets import Cursor, load_jsonl
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
+ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+MAX_TURNS = 1000
+CHUNK = 256
+"""Generated prompts fetched from the environment service per call."""
 
 
 @dataclass(kw_only=True, slots=True)
 class Entry:
     proto: controller_pb2.EnvironmentSpec
+    """The spec as submitted, minus inline rows (they live in the cursor)."""
     cursor: Cursor
     num_prompts: int
     """Rows in the dataset; 0 for an endless generated stream."""
+    default_max_turns: int = 1
+    """grpo.max_rollout_turns, used when the spec leaves max_turns at 0."""
     leased: int = 0
 
     @property
@@ -36,7 +48,7 @@ class Entry:
 
     @property
     def max_turns(self) -> int:
-        return self.proto.max_turns or 1
+        return self.proto.max_turns or self.default_max_turns
 
     @property
     def sampling(self) -> types_pb2.SamplingParams:
@@ -53,6 +65,7 @@ class Registry:
         self._channel = channel(cfg.addresses.environment)
         self.env = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
         self.entries: dict[str, Entry] = {}
+        self._pending: set[str] = set()  # names being submitted: a concurrent duplicate is refused at once
 
     def all(self) -> list[Entry]:
         return list(self.entries.values())
@@ -65,63 +78,105 @@ class Registry:
         return rng.choices(active, weights=[e.proto.weight for e in active])[0]
 
     async def submit(self, spec: controller_pb2.EnvironmentSpec) -> Entry:
-        spec = _validated(spec)
-        if spec.name in self.entries:
-            raise AlreadyExists(f"environment {spec.name!r} already exists; remove it first")
-        await self._call(self.env.Register(environment_pb2.RegisterRequest(
-            name=spec.name, kind=spec.kind, address=spec.address), timeout=30, wait_for_ready=True))
+        validate(spec)
+        if spec.name in self.entries or spec.name in self._pending:
+            raise AlreadyExists(f"environment {spec.name!r} is already in the mix; remove it first "
+                                f"(flywheel env remove {spec.name}) or pick another name")
+        self._pending.add(spec.name)
+        try:
+            return await self._add(spec)
+        finally:
+            self._pending.discard(spec.name)
+
+    async def _add(self, spec: controller_pb2.EnvironmentSpec) -> Entry:
+        await self._call(spec.name, self.env.Register(environment_pb2.RegisterRequest(
+            name=spec.name, kind=spec.kind, address=spec.address, timeout_seconds=spec.timeout_seconds),
+            timeout=30, wait_for_ready=True))
         try:
             cursor, count = await self._dataset(spec)
-        except Exception:
-            await self.env.Unregister(environment_pb2.UnregisterRequest(name=spec.name), timeout=15)
+        except BaseException:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the dataset error is the one to report
+                await self.env.Unregister(environment_pb2.UnregisterRequest(name=spec.name), timeout=15)
             raise
-        entry = Entry(proto=spec, cursor=cursor, num_prompts=count)
+        stored = controller_pb2.EnvironmentSpec()
+        stored.CopyFrom(spec)
+        stored.ClearField("rows")
+        entry = Entry(proto=stored, cursor=cursor, num_prompts=count,
+                      default_max_turns=self.cfg.grpo.max_rollout_turns)
         self.entries[spec.name] = entry
         return entry
 
     async def remove(self, name: str) -> None:
+        """Stops leasing from `name` now; the environment service keeps serving groups already leased."""
         if name not in self.entries:
-            raise NotFound(f"no environment named {name!r}")
+            known = ", ".join(sorted(self.entries)) or "none"
+            raise NotFound(f"no environment named {name!r} in the mix (environments: {known})")
         del self.entries[name]
-        await self.env.Unregister(environment_pb2.UnregisterRequest(name=name), timeout=15)
+        await self._call(name, self.env.Unregister(environment_pb2.UnregisterRequest(name=name), timeout=15))
 
     async def _dataset(self, spec: controller_pb2.EnvironmentSpec) -> tuple[Cursor, int]:
         if spec.rows:
             return Cursor(rows=list(spec.rows)), len(spec.rows)
         if spec.jsonl_path:
-            rows = load_jsonl(spec.jsonl_path)
+            try:
+                rows = load_jsonl(spec.jsonl_path)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"environment {spec.name!r}: {err}") from None
             return Cursor(rows=rows), len(rows)
 
         async def fetch(offset: int, count: int):
-            response = await self._call(self.env.Prompts(environment_pb2.PromptsRequest(
-                env_name=spec.name, count=count, seed=self.cfg.run.seed, offset=offset), timeout=30, wait_for_ready=True))
+            response = await self._call(spec.name, self.env.Prompts(environment_pb2.PromptsRequest(
+                env_name=spec.name, count=count, seed=self.cfg.run.seed, offset=offset), timeout=30,
+                wait_for_ready=True))
             return response.rows
 
-        first = await fetch(0, 256)
+        try:
+            first = await fetch(0, CHUNK)
+        except InvalidArgument:
+            first = []  # UNIMPLEMENTED or refused: the environment generates no prompts
         if not first:
-            raise InvalidArgument(f"environment {spec.name!r} has an empty dataset: give rows or jsonl_path")
-        return Cursor(fetch=fetch, chunk=256, prefetched=first), 0
+            raise InvalidArgument(f"environment {spec.name!r} has an empty dataset: give rows or jsonl_path "
+                                  f"(it generates no prompts)")
+        return Cursor(fetch=fetch, chunk=CHUNK, prefetched=first), 0
 
-    @staticmethod
-    async def _call(call):
+    async def _call(self, name: str, call):
+        """Awaits an environment-service rpc; its refusals become typed errors naming `name`."""
         try:
             return await call
         except grpc.aio.AioRpcError as err:
             if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                               grpc.StatusCode.UNIMPLEMENTED):
-                raise InvalidArgument(err.details()) from None
-            raise
+                raise InvalidArgument(f"environment {name!r}: {err.details()}") from None
+            raise Unavailable(f"environment service at {self.cfg.addresses.environment} failed for {name!r}: "
+                              f"{err.code().name}: {err.details()}") from None
 
     async def close(self) -> None:
         await self._channel.close()
 
 
-def _validated(spec: controller_pb2.EnvironmentSpec) -> controller_pb2.EnvironmentSpec:
+def validate(spec: controller_pb2.EnvironmentSpec) -> None:
+    """Raises InvalidArgument naming the first bad field of `spec` (pure: no network)."""
     require(bool(NAME.match(spec.name)), f"name must match {NAME.pattern}, got {spec.name!r}")
-    require(bool(spec.kind) != bool(spec.address), f"{spec.name}: set exactly one of kind or address")
-    require(spec.weight >= 0, f"{spec.name}: weight must be >= 0, got {spec.weight}")
-    require(not (spec.rows and spec.jsonl_path), f"{spec.name}: set at most one of rows or jsonl_path")
-    require(spec.max_turns >= 0, f"{spec.name}: max_turns must be >= 0, got {spec.max_turns}")
-    require(spec.reward_scale >= 0, f"{spec.name}: reward_scale must be >= 0, got {spec.reward_scale}")
-    require(spec.sampling.max_new_tokens >= 0, f"{spec.name}: sampling.max_new_tokens must be >= 0")
-    return spec
+    n = spec.name
+    require(bool(spec.kind) != bool(spec.address),
+            f"{n}: set exactly one of kind (a built-in) or address (host:port of a remote environment)")
+    if spec.address:
+        match = ADDRESS.match(spec.address)
+        require(bool(match) and 0 < int(match.group(2)) < 65536,
+                f"{n}: address must be host:port, got {spec.address!r}")
+    require(math.isfinite(spec.weight) and spec.weight >= 0, f"{n}: weight must be >= 0, got {spec.weight}")
+    require(not (spec.rows and spec.jsonl_path), f"{n}: set at most one of rows or jsonl_path")
+    for i, row in enumerate(spec.rows):
+        require(len(row.messages) > 0, f"{n}: rows[{i}] has no messages")
+    require(0 <= spec.max_turns <= MAX_TURNS, f"{n}: max_turns must be in 0..{MAX_TURNS}, got {spec.max_turns}")
+    require(math.isfinite(spec.reward_scale) and spec.reward_scale >= 0,
+            f"{n}: reward_scale must be >= 0, got {spec.reward_scale}")
+    require(math.isfinite(spec.timeout_seconds) and spec.timeout_seconds >= 0,
+            f"{n}: timeout_seconds must be >= 0, got {spec.timeout_seconds}")
+    s = spec.sampling
+    require(s.max_new_tokens >= 0, f"{n}: sampling.max_new_tokens must be >= 0, got {s.max_new_tokens}")
+    require(math.isfinite(s.temperature) and s.temperature >= 0,
+            f"{n}: sampling.temperature must be >= 0, got {s.temperature}")
+    require(0 <= s.top_p <= 1, f"{n}: sampling.top_p must be in [0, 1], got {s.top_p}")
+    require(s.top_k >= 0, f"{n}: sampling.top_k must be >= 0, got {s.top_k}")
+    require(all(s.stop_strings), f"{n}: sampling.stop_strings must not contain an empty string")

@@ -1,102 +1,190 @@
 """Forwarding to a remote environment server that speaks EnvironmentService.
 
-Each call has a deadline and is retried with exponential back-off; after
-`BREAKER_FAILURES` failed calls in a row the circuit opens for `BREAKER_OPEN_S`, during
-which episodes fail at once instead of waiting on a dead server. A crash, a hang or a
-garbage answer scores that batch's episodes as failed (with the reason), never the run.
+Failure semantics, per `step` call (one batch of episodes of one environment):
+
+- deadline: each attempt has `timeout_s`, and all attempts together stay inside the
+  caller's own deadline (`budget_s`, less a margin to answer it);
+- retries: UNAVAILABLE and DEADLINE_EXCEEDED are retried `retries` times with exponential
+  back-off (`backoff_s`, doubled each time); other status codes are not;
+- circuit breaker: after `breaker_failures` failed calls in a row the circuit opens for
+  `breaker_open_s`, and episodes fail at once instead of waiting on a dead server; the
+  first call after that is a probe that closes it again on success;
+- a crash, a hang, an error status or a garbage answer (wrong number of results,
+  non-finite rewards) scores the affected episodes as failed (reward 0, `error` set),
+  counts them in `flywheel_remote_env_failed_episodes_total{env,reason}`, and records the
+  failure on the current OpenTelemetry span. It never raises into the service, so it never
+  stops the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
 from google.protobuf import json_format
+from opentelemetry import trace
 from prometheus_client import Counter
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.common.server import channel
 from services.environment.base import StepResult
 
 log = logging.getLogger("flywheel.environment.remote")
+DEFAULT_TIMEOUT_S = 10.0
 RETRIES = 2
 BACKOFF_S = 0.2
 BREAKER_FAILURES = 3
 BREAKER_OPEN_S = 10.0
-REMOTE_FAILURES = Counter("flywheel_remote_env_failures_total", "Remote environment calls that failed",
-                          ["env", "reason"])
+MARGIN_S = 0.25
+"""Seconds of the caller's deadline kept back to send it the failed results."""
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A restarted remote is found within seconds, not after gRPC's default 2-minute reconnect back-off.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+FAILED_CALLS = Counter("flywheel_remote_env_failures_total", "Remote environment calls that failed",
+                       ["env", "reason"])
+FAILED_EPISODES = Counter("flywheel_remote_env_failed_episodes_total",
+                          "Episodes scored as failed because their remote environment failed", ["env", "reason"])
+
+
+class RemoteFailure(Exception):
+    """A remote call that gave no usable answer; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 class RemoteEnvironment:
-    def __init__(self, name: str, address: str, *, timeout_s: float) -> None:
+    def __init__(self, name: str, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = RETRIES,
+                 backoff_s: float = BACKOFF_S, breaker_failures: int = BREAKER_FAILURES,
+                 breaker_open_s: float = BREAKER_OPEN_S, tracer: trace.Tracer | None = None) -> None:
         self.name = name
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel(address)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.breaker_failures = breaker_failures
+        self.breaker_open_s = breaker_open_s
+        self._channel = channel(address, CHANNEL_OPTIONS)
         self._stub = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
+        self._tracer = tracer or trace.get_tracer("flywheel.environment")
         self._failures = 0
         self._open_until = 0.0
 
+    @property
+    def circuit_open(self) -> bool:
+        return time.monotonic() < self._open_until
+
     async def check_reachable(self, timeout_s: float = 5.0) -> None:
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
-        except asyncio.TimeoutError:
-            await self.close()
-            raise InvalidArgument(f"environment {self.name!r}: {self.address} is unreachable") from None
-
-    async def step(self, request: environment_pb2.StepRequest):
-        """Results aligned with request.episodes; failures become failed results."""
-        n = len(request.episodes)
-        forwarded = environment_pb2.StepRequest()
-        forwarded.CopyFrom(request)
-        try:
-            response = await self._call(forwarded)
-            if len(response.results) != n:
-                raise ValueError(f"returned {len(response.results)} results for {n} episodes")
-        except Exception as err:
-            reason = _reason(err)
-            REMOTE_FAILURES.labels(self.name, reason.split(":")[0]).inc()
-            log.warning("remote environment %s failed: %s", self.name, reason)
-            return [StepResult.failed(f"remote {self.name}: {reason}") for _ in range(n)]
-        return [_decode(r) for r in response.results]
-
-    async def prompts(self, request):
-        return await self._call(request, rpc="Prompts")
-
-    async def _call(self, request, rpc: str = "Step"):
-        if time.monotonic() < self._open_until:
-            raise ConnectionError("circuit open")
-        for attempt in range(RETRIES + 1):
+        """Returns once connected; InvalidArgument on a refused connection or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        state = self._channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            left = deadline - time.monotonic()
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or left <= 0:
+                await self.close()
+                why = "connection failed" if left > 0 else f"no connection within {timeout_s:g} s"
+                raise InvalidArgument(f"environment {self.name!r}: {self.address} is unreachable ({why})")
             try:
-                response = await getattr(self._stub, rpc)(request, timeout=self.timeout_s)
-                self._failures = 0
-                return response
-            except grpc.aio.AioRpcError as err:
-                retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if not retryable or attempt == RETRIES:
-                    self._record_failure()
-                    raise
-                await asyncio.sleep(BACKOFF_S * 2**attempt)
+                await asyncio.wait_for(self._channel.wait_for_state_change(state), left)
+            except asyncio.TimeoutError:
+                pass
+            state = self._channel.get_state()
 
-    def _record_failure(self) -> None:
+    async def step(self, request: environment_pb2.StepRequest, budget_s: float | None = None) -> list[StepResult]:
+        """Results aligned with request.episodes; every failure becomes failed results, never an exception."""
+        n = len(request.episodes)
+        with self._tracer.start_as_current_span("environment.remote_step", attributes={
+                "env": self.name, "address": self.address, "episodes": n}) as span:
+            try:
+                response = await self._call("Step", request, budget_s)
+                if len(response.results) != n:
+                    raise RemoteFailure("bad_response", f"returned {len(response.results)} results for {n} episodes")
+            except RemoteFailure as err:
+                return self._fail_all(span, err, n)
+            except Exception as err:  # on purpose: a remote's failure is its episodes' failure, never the run's
+                return self._fail_all(span, RemoteFailure("error", f"{type(err).__name__}: {err}"), n)
+            self._failures = 0
+            results = [_decode(r) for r in response.results]
+            garbage = sum(r is None for r in results)
+            if garbage:
+                err = RemoteFailure("bad_response", f"{garbage} of {n} results had a non-finite reward")
+                self._count(span, err, garbage)
+            return [r if r is not None else StepResult.failed(f"remote {self.name}: bad_response: non-finite reward")
+                    for r in results]
+
+    async def prompts(self, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
+        """The remote's generated prompts. InvalidArgument when it has none to give, Unavailable when it fails."""
+        try:
+            response = await self._call("Prompts", request, None)
+        except RemoteFailure as err:
+            if err.__cause__ is not None and err.__cause__.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise InvalidArgument(f"remote environment {self.name!r} generates no prompts") from None
+            self._note_failure(err)
+            raise Unavailable(f"remote environment {self.name!r} at {self.address}: {err}") from None
+        self._failures = 0
+        return response
+
+    async def _call(self, rpc: str, request, budget_s: float | None):
+        """One rpc with per-attempt deadlines, retries and back-off inside `budget_s`; raises RemoteFailure."""
+        if self.circuit_open:
+            raise RemoteFailure("circuit_open", f"{self._failures} failed calls in a row; retrying in "
+                                                f"{self._open_until - time.monotonic():.1f} s")
+        deadline = time.monotonic() + (budget_s - MARGIN_S if budget_s is not None else math.inf)
+        for attempt in range(self.retries + 1):
+            timeout = min(self.timeout_s, deadline - time.monotonic())
+            if timeout <= 0:
+                raise RemoteFailure("deadline", "caller's deadline reached before the remote answered")
+            try:
+                return await getattr(self._stub, rpc)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                pause = self.backoff_s * 2**attempt
+                if (err.code() not in RETRYABLE or attempt == self.retries
+                        or time.monotonic() + pause >= deadline):
+                    raise RemoteFailure(_label(err.code()), f"{err.code().name}: {err.details()}") from err
+                await asyncio.sleep(pause)
+
+    def _note_failure(self, err: RemoteFailure) -> None:
+        """Breaker bookkeeping: `breaker_failures` failed calls in a row open the circuit (a good answer
+        resets the count). A call the open circuit refused counts for nothing, so it half-opens on time."""
+        if err.reason == "circuit_open":
+            return
         self._failures += 1
-        if self._failures >= BREAKER_FAILURES:
-            self._open_until = time.monotonic() + BREAKER_OPEN_S
+        if self._failures >= self.breaker_failures:
+            self._open_until = time.monotonic() + self.breaker_open_s
+
+    def _fail_all(self, span, err: RemoteFailure, n: int) -> list[StepResult]:
+        self._note_failure(err)
+        if err.reason != "circuit_open":
+            FAILED_CALLS.labels(self.name, err.reason).inc()
+            log.warning("remote environment %s at %s failed: %s", self.name, self.address, err)
+        self._count(span, err, n)
+        return [StepResult.failed(f"remote {self.name}: {err}") for _ in range(n)]
+
+    def _count(self, span, err: RemoteFailure, episodes: int) -> None:
+        FAILED_EPISODES.labels(self.name, err.reason).inc(episodes)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+        span.add_event("remote_env.failed", {"reason": err.reason, "detail": str(err), "episodes": episodes})
+        span.set_attribute("failed_episodes", episodes)
 
     async def close(self) -> None:
         await self._channel.close()
 
 
-def _reason(err: Exception) -> str:
-    if isinstance(err, grpc.aio.AioRpcError):
-        return f"{err.code().name}: {err.details()}"
-    return f"{type(err).__name__}: {err}"
+def _label(code: grpc.StatusCode) -> str:
+    return {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline"}.get(
+        code, "rpc_error")
 
 
-def _decode(r: environment_pb2.EpisodeResult) -> StepResult:
+def _decode(r: environment_pb2.EpisodeResult) -> StepResult | None:
+    """The result, or None when it is garbage (a non-finite reward)."""
+    if not all(math.isfinite(x) for x in (r.reward, *r.named_rewards.values())):
+        return None
     return StepResult(observation=r.observation.content, reward=r.reward, named_rewards=dict(r.named_rewards),
                       terminated=r.terminated, next_stop_strings=list(r.next_stop_strings) or None,
                       metadata=json_format.MessageToDict(r.metadata) if r.HasField("metadata") else None,

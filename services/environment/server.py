@@ -2,22 +2,29 @@
 
 Built-in environments run in a worker thread (a verifier or the code sandbox may take a
 while; the event loop keeps answering). Registered remote environments are called
-through `RemoteEnvironment`, whose failures score episodes as failed, never the run.
+through `RemoteEnvironment`, whose failures score episodes as failed, never the run;
+its retries stay inside the deadline of the Step call that asked.
+
+Unregister retires a name rather than forgetting it at once: groups leased before the
+controller removed the environment still find it for `RETIRED_GRACE_S`, so they finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 from google.protobuf import json_format, struct_pb2
 
 from services.common.errors import InvalidArgument, NotFound, require
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
-from services.environment.remote import RemoteEnvironment
+from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
+RETIRED_GRACE_S = 600.0
+"""How long an unregistered environment still serves Step for groups leased before its removal."""
 
 
 def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
@@ -44,14 +51,18 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     def __init__(self) -> None:
         self.named: dict[str, Environment | RemoteEnvironment] = {}
         self.sources: dict[str, str] = {}
+        self.retired: dict[str, tuple[Environment | RemoteEnvironment, float]] = {}  # name -> (env, retired at)
 
     def _resolve(self, name: str) -> Environment | RemoteEnvironment:
-        if name not in self.named:
-            try:
-                self.named[name] = make_environment(name)
-            except UnknownEnvironment as err:
-                raise NotFound(f"no environment named {name!r}: {err}") from None
-            self.sources[name] = f"builtin:{name}"
+        if name in self.named:
+            return self.named[name]
+        if name in self.retired and time.monotonic() - self.retired[name][1] <= RETIRED_GRACE_S:
+            return self.retired[name][0]
+        try:
+            self.named[name] = make_environment(name)
+        except UnknownEnvironment as err:
+            raise NotFound(f"no environment named {name!r}: {err}") from None
+        self.sources[name] = f"builtin:{name}"
         return self.named[name]
 
     async def Step(self, request, context):
@@ -59,7 +70,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         require(len(request.episodes) > 0, "episodes must not be empty")
         env = self._resolve(request.env_name)
         if isinstance(env, RemoteEnvironment):
-            results = await env.step(request)
+            results = await env.step(request, budget_s=context.time_remaining())
         else:
             conversations, metadata = decode_episodes(request)
             results = await asyncio.to_thread(env.step, conversations, metadata,
@@ -69,6 +80,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def Register(self, request, context):
         require(bool(NAME.match(request.name)), f"name must match {NAME.pattern}, got {request.name!r}")
         require(bool(request.kind) != bool(request.address), "set exactly one of kind or address")
+        require(request.timeout_seconds >= 0, f"timeout_seconds must be >= 0, got {request.timeout_seconds}")
         if request.kind:
             try:
                 env = make_environment(request.kind)
@@ -77,10 +89,12 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
             source = f"builtin:{request.kind}"
         else:
             require(":" in request.address, f"address must be host:port, got {request.address!r}")
-            env = RemoteEnvironment(request.name, request.address, timeout_s=request.timeout_seconds or 30.0)
+            env = RemoteEnvironment(request.name, request.address,
+                                    timeout_s=request.timeout_seconds or DEFAULT_TIMEOUT_S)
             await env.check_reachable()
             source = request.address
         await self._drop(request.name)
+        await self._forget_retired(request.name)
         self.named[request.name], self.sources[request.name] = env, source
         return environment_pb2.RegisterResponse()
 
@@ -89,8 +103,18 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         return environment_pb2.UnregisterResponse()
 
     async def _drop(self, name: str) -> None:
+        """Retires `name`: it leaves List, and Step still serves it for RETIRED_GRACE_S."""
         old = self.named.pop(name, None)
         self.sources.pop(name, None)
+        now = time.monotonic()
+        for stale in [n for n, (_, at) in self.retired.items() if now - at > RETIRED_GRACE_S]:
+            await self._forget_retired(stale)
+        if old is not None:
+            await self._forget_retired(name)
+            self.retired[name] = (old, now)
+
+    async def _forget_retired(self, name: str) -> None:
+        old, _ = self.retired.pop(name, (None, 0.0))
         if isinstance(old, RemoteEnvironment):
             await old.close()
 

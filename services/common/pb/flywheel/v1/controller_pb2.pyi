@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EnvironmentSpec(_message.Message):
-    __slots__ = ("name", "kind", "address", "rows", "jsonl_path", "weight", "max_turns", "sampling", "reward_scale")
+    __slots__ = ("name", "kind", "address", "rows", "jsonl_path", "weight", "max_turns", "sampling", "reward_scale", "timeout_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EnvironmentSpec(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REWARD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     address: str
@@ -27,7 +28,8 @@ class EnvironmentSpec(_message.Message):
     max_turns: int
     sampling: _types_pb2.SamplingParams
     reward_scale: float
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ...) -> None: ...
+    timeout_seconds: float
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("spec",)

@@ -61,15 +61,16 @@ class ControllerServiceServicer:
 
     def SubmitEnvironment(self, request, context):
         """Adds an environment to the running mix; it is sampled from the next lease on.
-        INVALID_ARGUMENT for a bad spec (unknown kind, duplicate name, unreachable address,
-        empty dataset, negative weight).
+        INVALID_ARGUMENT for a bad spec (unknown kind, unreachable address, empty dataset,
+        negative weight, ...), ALREADY_EXISTS for a name already in the mix; the message names
+        the environment and the field. UNAUTHENTICATED without the bearer token, where configured.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListEnvironments(self, request, context):
-        """The environments in the mix, with their lease counts.
+        """The environments in the mix, with their lease counts (specs without their inline rows).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +78,7 @@ class ControllerServiceServicer:
 
     def RemoveEnvironment(self, request, context):
         """Stops leasing from an environment. Groups already leased still finish.
+        NOT_FOUND for a name not in the mix.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

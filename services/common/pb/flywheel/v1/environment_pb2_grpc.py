@@ -82,7 +82,9 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Unregister(self, request, context):
-        """Forgets a named environment. Unknown names are not an error.
+        """Forgets a named environment: it leaves List at once, and Step still serves it for a
+        grace period (10 min) so that groups leased before the removal finish. Unknown names
+        are not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

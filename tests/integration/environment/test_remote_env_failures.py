@@ -1,0 +1,169 @@
+"""A remote environment that crashes, hangs or answers garbage fails its episodes, never the run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from services.common.errors import InvalidArgument
+from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
+from services.common.server import ErrorInterceptor
+from services.environment.remote import RemoteEnvironment
+from services.environment.server import EnvironmentServicer
+
+from env_harness import start_example_server, step_request
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider.get_tracer("test"), exporter
+
+
+def failed_episodes(env: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("flywheel_remote_env_failed_episodes_total", {"env": env, "reason": reason}) or 0
+
+
+def remote(name: str, address: str, tracer, **kw) -> RemoteEnvironment:
+    kw = {"timeout_s": 0.5, "retries": 1, "backoff_s": 0.05, **kw}
+    return RemoteEnvironment(name, address, tracer=tracer, **kw)
+
+
+async def test_healthy_remote_scores_episodes(example_remote, spans):
+    _, address = example_remote
+    env = remote("healthy", address, spans[0])
+    results = await env.step(step_request("healthy", 3))
+    assert [r.reward for r in results] == [1.0, 1.0, 1.0] and not any(r.error for r in results)
+    await env.close()
+
+
+async def test_killed_remote_fails_its_episodes_with_a_counter_and_a_span_event(spans):
+    tracer, exporter = spans
+    proc, address = start_example_server()
+    env = remote("crashing", address, tracer)
+    try:
+        assert (await env.step(step_request("crashing", 2)))[0].reward == 1.0
+        proc.kill()
+        proc.wait()
+        results = await env.step(step_request("crashing", 2))
+    finally:
+        await env.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert len(results) == 2
+    assert all(r.reward == 0 and r.terminated and "UNAVAILABLE" in r.error for r in results)
+    assert failed_episodes("crashing", "unavailable") == 2
+    failed = exporter.get_finished_spans()[-1]
+    assert failed.name == "environment.remote_step" and not failed.status.is_ok
+    assert failed.events[0].name == "remote_env.failed" and failed.events[0].attributes["reason"] == "unavailable"
+
+
+async def test_hanging_remote_fails_after_its_deadline_and_retries(faulty_remote, spans):
+    faulty_remote.servicer.mode = "hang"
+    env = remote("hanging", faulty_remote.address, spans[0], timeout_s=0.3, retries=1)
+    t0 = time.monotonic()
+    results = await env.step(step_request("hanging", 4))
+    elapsed = time.monotonic() - t0
+    await env.close()
+    assert faulty_remote.servicer.calls == 2, "one retry after the first deadline"
+    assert 0.6 <= elapsed < 2.0
+    assert all(r.reward == 0 and "DEADLINE_EXCEEDED" in r.error for r in results)
+    assert failed_episodes("hanging", "deadline") == 4
+
+
+async def test_retries_stay_inside_the_callers_budget(faulty_remote, spans):
+    faulty_remote.servicer.mode = "hang"
+    env = remote("budget", faulty_remote.address, spans[0], timeout_s=5.0, retries=3)
+    t0 = time.monotonic()
+    results = await env.step(step_request("budget", 1), budget_s=1.0)
+    await env.close()
+    assert time.monotonic() - t0 < 1.0
+    assert results[0].error
+
+
+@pytest.mark.parametrize("mode, reason", [("wrong_count", "bad_response"), ("error", "rpc_error")])
+async def test_garbage_or_an_error_status_fails_the_whole_batch(faulty_remote, spans, mode, reason):
+    faulty_remote.servicer.mode = mode
+    name = f"garbage-{mode}"
+    env = remote(name, faulty_remote.address, spans[0])
+    results = await env.step(step_request(name, 3))
+    await env.close()
+    assert len(results) == 3 and all(r.reward == 0 and r.error for r in results)
+    assert faulty_remote.servicer.calls == 1, "garbage and error statuses are not retried"
+    assert failed_episodes(name, reason) == 3
+
+
+async def test_non_finite_rewards_fail_only_those_episodes(faulty_remote, spans):
+    faulty_remote.servicer.mode = "nan"
+    env = remote("nan", faulty_remote.address, spans[0])
+    results = await env.step(step_request("nan", 2))
+    await env.close()
+    assert all(r.reward == 0 and "non-finite" in r.error for r in results)
+    assert failed_episodes("nan", "bad_response") == 2
+
+
+async def test_breaker_opens_after_failures_in_a_row_then_a_probe_closes_it(faulty_remote, spans):
+    faulty_remote.servicer.mode = "error"
+    env = remote("breaker", faulty_remote.address, spans[0], breaker_failures=2, breaker_open_s=0.5)
+    for _ in range(2):
+        await env.step(step_request("breaker", 1))
+    assert env.circuit_open and faulty_remote.servicer.calls == 2
+    faulty_remote.servicer.mode = "ok"
+    refused = await env.step(step_request("breaker", 1))
+    assert "circuit_open" in refused[0].error and faulty_remote.servicer.calls == 2, "open: the remote is not called"
+    assert failed_episodes("breaker", "circuit_open") == 1
+    await asyncio.sleep(0.6)
+    probe = await env.step(step_request("breaker", 1))
+    await env.close()
+    assert probe[0].reward == 1.0 and not env.circuit_open
+
+
+async def test_unreachable_address_is_invalid_argument():
+    env = RemoteEnvironment("nowhere", "127.0.0.1:1")
+    with pytest.raises(InvalidArgument, match="unreachable"):
+        await env.check_reachable(timeout_s=0.5)
+
+
+@pytest.fixture
+async def environment_service():
+    servicer = EnvironmentServicer()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield environment_pb2_grpc.EnvironmentServiceStub(channel)
+    await server.stop(0)
+
+
+async def test_service_answers_within_the_callers_deadline_when_a_remote_hangs(environment_service, faulty_remote):
+    await environment_service.Register(environment_pb2.RegisterRequest(
+        name="slow", address=faulty_remote.address, timeout_seconds=30))
+    faulty_remote.servicer.mode = "hang"
+    response = await environment_service.Step(step_request("slow", 2), timeout=1.5)
+    assert [r.reward for r in response.results] == [0, 0] and all(r.error for r in response.results)
+
+
+async def test_unregistered_remote_still_serves_groups_leased_before_removal(environment_service, faulty_remote):
+    await environment_service.Register(environment_pb2.RegisterRequest(name="leaving", address=faulty_remote.address))
+    await environment_service.Unregister(environment_pb2.UnregisterRequest(name="leaving"))
+    listed = await environment_service.List(environment_pb2.ListRequest())
+    assert "leaving" not in listed.registered
+    response = await environment_service.Step(step_request("leaving", 1), timeout=5)
+    assert response.results[0].reward == 1.0
+
+
+async def test_registering_an_unreachable_remote_is_invalid_argument(environment_service):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await environment_service.Register(environment_pb2.RegisterRequest(name="gone", address="127.0.0.1:1"),
+                                           timeout=15)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unreachable" in info.value.details()
