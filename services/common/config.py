@@ -163,6 +163,15 @@ class TinyModelConfig(Section):
     intermediate_size: int = Field(128, gt=0)
 
 
+class VLLMConfig(Section):
+    """NeMo RL `policy.generation.vllm_cfg` (the keys the vLLM engine reads)."""
+
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take; leave room for the weight staging copy."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower decode, faster start, easier debugging)."""
+
+
 class GenerationConfig(Section):
     """NeMo RL `policy.generation`."""
 
@@ -172,6 +181,7 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
     stop_strings: list[str] = []
+    vllm_cfg: VLLMConfig = VLLMConfig()
 
 
 class PolicyConfig(Section):
@@ -259,6 +269,8 @@ class TelemetryConfig(Section):
     """OTLP gRPC endpoint for traces; empty disables export."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Prometheus /metrics port; 0 disables the HTTP server."""
+    metrics_host: str = "127.0.0.1"
+    """Address /metrics binds to; 0.0.0.0 where Prometheus scrapes from another host or container."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 

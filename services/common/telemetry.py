@@ -29,7 +29,7 @@ def setup_telemetry(service: str, run: str, cfg: TelemetryConfig) -> trace.Trace
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True)))
     trace.set_tracer_provider(provider)
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr="127.0.0.1")
+        start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
     return trace.get_tracer(f"flywheel.{service}")
 
 

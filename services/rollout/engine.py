@@ -64,6 +64,9 @@ class Engine(abc.ABC):
     def weight_buffers(self) -> dict[str, torch.Tensor]:
         """Named tensors the weight receiver fills in place (the trainer's manifest order)."""
 
+    def apply_received_weights(self) -> None:
+        """Called (under `lock`) after the buffers were filled; engines that stage weights load them here."""
+
 
 class HFEngine(Engine):
     """transformers `generate` on CPU or one GPU; for tests, the local run and small models."""

@@ -117,7 +117,9 @@ class RolloutWorker:
 
     def _receive(self, receiver, ann, buffers) -> str:
         with self.engine.lock:  # between generate calls: no request sees half-loaded weights
-            return receiver.receive(ann, buffers, timeout_s=self.cfg.weight_sync.timeout_s)
+            digest = receiver.receive(ann, buffers, timeout_s=self.cfg.weight_sync.timeout_s)
+            self.engine.apply_received_weights()
+            return digest
 
     async def _work(self, stop: asyncio.Event) -> None:
         s = self.bus.subjects

@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# Start Flywheel inside the heterogeneous allocation of flywheel.sbatch, wait, and clean up.
+#
+#   launch.sh [key=value config overrides ...]
+#
+# It runs on the batch host, which Slurm places on the first node of het group 0 (infra), so NATS's
+# monitor port and Redis are checked on loopback. Steps:
+#   1. resolve hosts: INFRA_HOST (group 0) and TRAINER_HOST (first node of group 1) from the allocation;
+#   2. make per-job NATS/Redis passwords and write nats.conf / redis.conf (mode 600) into the run dir;
+#   3. resolve the config (base file + addresses + user overrides) with Flywheel's own loader and write
+#      it to $RUN_DIR/config.yaml, which every process reads (the run dir is on a shared filesystem);
+#   4. srun --het-group=0: nats-server, redis-server, environment, replay, controller (waiting on health);
+#      srun --het-group=1: torchrun ... flywheel serve trainer;  srun --het-group=2: rollout_task.sh;
+#   5. wait: success when the trainer exits 0 (last step), failure when any component dies first;
+#      on exit (or SIGTERM from --signal before the time limit) stop the services, then Redis and NATS.
+#
+# FLYWHEEL_DRY_RUN=1 prints the srun commands (also to $RUN_DIR/launch_plan.txt) instead of running
+# them, skips the health waits, and takes hosts from FLYWHEEL_INFRA_HOST / FLYWHEEL_TRAINER_HOST /
+# FLYWHEEL_INFRA_IP when there is no allocation: the unit tests use it.
+set -euo pipefail
+
+FLYWHEEL_HOME=${FLYWHEEL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+VENV=${FLYWHEEL_VENV:-$FLYWHEEL_HOME/.venv}
+PY=$VENV/bin/python
+FLYWHEEL_BIN=$VENV/bin/flywheel
+BASE_CONFIG=${FLYWHEEL_CONFIG:-$FLYWHEEL_HOME/deploy/compose/config.yaml}
+RUN_DIR=${FLYWHEEL_RUN_DIR:-$FLYWHEEL_HOME/runs/slurm-${SLURM_JOB_ID:-local}}
+DRY_RUN=${FLYWHEEL_DRY_RUN:-0}
+TRAINER_NPROC=${FLYWHEEL_TRAINER_NPROC:-1}   # > 1 fails today: only rank 0's loop exists (flywheel.sbatch)
+REDIS_APPENDFSYNC=${REDIS_APPENDFSYNC:-always}
+STOP_GRACE_S=${FLYWHEEL_STOP_GRACE_S:-30}
+
+# Fixed ports on the infra node (and the trainer's first node), overridable (FLYWHEEL_<NAME>_PORT) for
+# shared hosts. Metrics ports differ per process because several services share a node:
+# base+1 controller, +2 environment, +3 replay, +4 trainer, +10+i rollout worker i (rollout_task.sh).
+NATS_PORT=${FLYWHEEL_NATS_PORT:-4222} NATS_MONITOR_PORT=${FLYWHEEL_NATS_MONITOR_PORT:-8222}
+REDIS_PORT=${FLYWHEEL_REDIS_PORT:-6379}
+CONTROLLER_PORT=${FLYWHEEL_CONTROLLER_PORT:-50051} ENVIRONMENT_PORT=${FLYWHEEL_ENVIRONMENT_PORT:-50052}
+REPLAY_PORT=${FLYWHEEL_REPLAY_PORT:-50053} TRAINER_PORT=${FLYWHEEL_TRAINER_PORT:-50055}
+TORCHRUN_RDZV_PORT=${FLYWHEEL_TORCHRUN_PORT:-29400}
+export FLYWHEEL_ROLLOUT_PORT_BASE=${FLYWHEEL_ROLLOUT_PORT_BASE:-50054}
+export FLYWHEEL_METRICS_PORT_BASE=${FLYWHEEL_METRICS_PORT_BASE:-9400}
+M=$FLYWHEEL_METRICS_PORT_BASE   # 0 turns every /metrics server off
+mport() { (( M == 0 )) && echo 0 || echo $(( M + $1 )); }
+
+hosts_of() {  # het group index -> its hostnames, one per line
+  local var="SLURM_JOB_NODELIST_HET_GROUP_$1"
+  [[ -n "${!var:-}" ]] || { echo "launch.sh: $var is not set: run inside flywheel.sbatch" >&2; return 1; }
+  scontrol show hostnames "${!var}"
+}
+
+ipv4_of() { getent ahostsv4 "$1" | awk 'NR == 1 { print $1 }'; }
+
+INFRA_HOST=${FLYWHEEL_INFRA_HOST:-$(hosts_of 0 | head -n 1)}
+TRAINER_HOST=${FLYWHEEL_TRAINER_HOST:-$(hosts_of 1 | head -n 1)}
+TRAINER_NODES=${FLYWHEEL_TRAINER_NODES:-$(hosts_of 1 | wc -l)}
+INFRA_IP=${FLYWHEEL_INFRA_IP:-$(ipv4_of "$INFRA_HOST")}
+[[ -n "$INFRA_IP" ]] || { echo "launch.sh: cannot resolve $INFRA_HOST" >&2; exit 1; }
+if (( TRAINER_NPROC > 1 || TRAINER_NODES > 1 )); then
+  echo "launch.sh: warning: $TRAINER_NODES trainer node(s) x $TRAINER_NPROC process(es): ranks != 0 exit with" \
+       "NotImplementedError in this version (see flywheel.sbatch)" >&2
+fi
+
+# --- run dir, secrets, infra configs (nothing here is readable by other users) ---
+umask 077
+mkdir -p "$RUN_DIR/logs" "$RUN_DIR/redis"
+NATS_STORE=${FLYWHEEL_NATS_STORE:-$RUN_DIR/nats}   # node-local disk is faster; shared survives requeue
+mkdir -p "$NATS_STORE"
+secret() { "$PY" -c 'import secrets; print(secrets.token_hex(24))'; }
+export NATS_PASSWORD=${NATS_PASSWORD:-$(secret)}
+REDIS_PASSWORD=${REDIS_PASSWORD:-$(secret)}
+CONTROLLER_TOKEN=${CONTROLLER_TOKEN:-$(secret)}
+printf '%s\n' "$CONTROLLER_TOKEN" > "$RUN_DIR/controller_token"   # for flywheel env/status --token
+
+cat > "$RUN_DIR/nats.conf" <<EOF
+# Written by launch.sh for job ${SLURM_JOB_ID:-local}. Durability: docs/deployment.md.
+server_name: flywheel-${SLURM_JOB_ID:-local}
+listen: $INFRA_IP:$NATS_PORT
+http: 127.0.0.1:$NATS_MONITOR_PORT
+max_payload: 8MB
+jetstream {
+  store_dir: "$NATS_STORE"
+  sync_interval: always
+}
+authorization {
+  user: flywheel
+  password: \$NATS_PASSWORD
+}
+EOF
+
+cat > "$RUN_DIR/redis.conf" <<EOF
+# Written by launch.sh for job ${SLURM_JOB_ID:-local}. AOF, fsync policy: docs/deployment.md.
+bind $( [[ "$INFRA_IP" == 127.0.0.1 ]] && echo 127.0.0.1 || echo "127.0.0.1 $INFRA_IP" )
+port $REDIS_PORT
+dir $RUN_DIR/redis
+appendonly yes
+appendfsync $REDIS_APPENDFSYNC
+save ""
+requirepass $REDIS_PASSWORD
+EOF
+
+# --- the resolved config: base file + addresses + user overrides, validated by Flywheel's loader ---
+CONFIG=$RUN_DIR/config.yaml
+cd "$FLYWHEEL_HOME"
+"$PY" - "$BASE_CONFIG" "$CONFIG" \
+  "run.run_dir=$RUN_DIR" \
+  "addresses.nats_url=nats://flywheel:$NATS_PASSWORD@$INFRA_HOST:$NATS_PORT" \
+  "addresses.redis_url=redis://:$REDIS_PASSWORD@$INFRA_HOST:$REDIS_PORT/0" \
+  "addresses.controller=$INFRA_HOST:$CONTROLLER_PORT" \
+  "addresses.environment=$INFRA_HOST:$ENVIRONMENT_PORT" \
+  "addresses.replay=$INFRA_HOST:$REPLAY_PORT" \
+  "addresses.trainer=$TRAINER_HOST:$TRAINER_PORT" \
+  "controller.auth_token='$CONTROLLER_TOKEN'" \
+  "telemetry.otlp_endpoint='${FLYWHEEL_OTLP_ENDPOINT:-}'" \
+  "$@" <<'EOF'
+import sys
+from pathlib import Path
+from services.common.config import ConfigError, dump_config, load_config
+base, out, *overrides = sys.argv[1:]
+try:
+    cfg = load_config(base, overrides)
+except ConfigError as err:
+    sys.exit(f"launch.sh: {err}")
+Path(out).write_text(dump_config(cfg))
+EOF
+export FLYWHEEL_RESOLVED_CONFIG=$CONFIG FLYWHEEL_BIN
+echo "flywheel: job ${SLURM_JOB_ID:-local}  infra $INFRA_HOST ($INFRA_IP)  trainer $TRAINER_HOST  run dir $RUN_DIR"
+
+# --- starting and stopping components ---
+# Per-process overrides go BEFORE --config: services/cli.py's argparse rejects positionals after an
+# option (`serve X --config F k=v` exits 2), while `serve X k=v --config F` works.
+declare -A PIDS=()
+ORDER=()
+start() {  # name, then the command; output goes to $RUN_DIR/logs/<name>.log
+  local name=$1; shift
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '%s:' "$name" | tee -a "$RUN_DIR/launch_plan.txt"
+    printf ' %q' "$@" | tee -a "$RUN_DIR/launch_plan.txt"
+    echo | tee -a "$RUN_DIR/launch_plan.txt"
+    return
+  fi
+  "$@" > "$RUN_DIR/logs/$name.log" 2>&1 &
+  PIDS[$name]=$!
+  ORDER+=("$name")
+}
+
+stop_group() {  # SIGTERM the named components (srun forwards it to its tasks), wait, then SIGKILL
+  local name deadline=$(( SECONDS + STOP_GRACE_S ))
+  for name in "$@"; do kill -TERM "${PIDS[$name]}" 2> /dev/null || true; done
+  for name in "$@"; do
+    while kill -0 "${PIDS[$name]}" 2> /dev/null && (( SECONDS < deadline )); do sleep 1; done
+    kill -KILL "${PIDS[$name]}" 2> /dev/null || true
+  done
+}
+
+stop_all() {  # services first (they drain their NATS connections), then Redis and NATS
+  local name services=()
+  for name in "${ORDER[@]}"; do [[ "$name" == nats || "$name" == redis ]] || services+=("$name"); done
+  (( ${#services[@]} )) && stop_group "${services[@]}"
+  for name in redis nats; do [[ -n "${PIDS[$name]:-}" ]] && stop_group "$name"; done
+  wait 2> /dev/null || true
+}
+
+wait_for() {  # description, then a command that succeeds once the thing is up
+  local what=$1; shift
+  [[ "$DRY_RUN" == 1 ]] && return 0
+  local deadline=$(( SECONDS + ${FLYWHEEL_START_TIMEOUT_S:-300} ))
+  until "$@" > /dev/null 2>&1; do
+    if (( SECONDS >= deadline )); then echo "launch.sh: $what not up; see $RUN_DIR/logs" >&2; exit 1; fi
+    sleep 2
+  done
+  echo "flywheel: $what up"
+}
+
+trap stop_all EXIT
+trap 'exit 143' TERM INT
+
+INFRA=(srun --het-group=0 --overlap --nodes=1 --ntasks=1 --unbuffered)
+
+# --- group 0: infra ---
+start nats "${INFRA[@]}" "$VENV/bin/nats-server" -c "$RUN_DIR/nats.conf"
+start redis "${INFRA[@]}" "${REDIS_SERVER:-redis-server}" "$RUN_DIR/redis.conf"
+wait_for nats "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true', timeout=2)"
+wait_for redis env REDISCLI_AUTH="$REDIS_PASSWORD" "${REDIS_CLI:-redis-cli}" -h 127.0.0.1 -p "$REDIS_PORT" ping
+
+start environment "${INFRA[@]}" "$FLYWHEEL_BIN" serve environment "telemetry.metrics_port=$(mport 2)" --config "$CONFIG"
+start replay "${INFRA[@]}" "$FLYWHEEL_BIN" serve replay "telemetry.metrics_port=$(mport 3)" --config "$CONFIG"
+wait_for environment "$PY" deploy/health_probe.py "$INFRA_HOST:$ENVIRONMENT_PORT" flywheel.v1.environment
+wait_for replay "$PY" deploy/health_probe.py "$INFRA_HOST:$REPLAY_PORT" flywheel.v1.replay
+start controller "${INFRA[@]}" "$FLYWHEEL_BIN" serve controller "telemetry.metrics_port=$(mport 1)" --config "$CONFIG"
+wait_for controller "$PY" deploy/health_probe.py "$INFRA_HOST:$CONTROLLER_PORT" flywheel.v1.controller
+
+# --- group 1: trainer, one torchrun per trainer node ---
+start trainer srun --het-group=1 --nodes="$TRAINER_NODES" --ntasks-per-node=1 --unbuffered \
+  "$VENV/bin/torchrun" --nnodes="$TRAINER_NODES" --nproc-per-node="$TRAINER_NPROC" \
+  --rdzv-backend=c10d --rdzv-endpoint="$TRAINER_HOST:$TORCHRUN_RDZV_PORT" --rdzv-id="${SLURM_JOB_ID:-local}" \
+  --no-python "$FLYWHEEL_BIN" serve trainer \
+  "addresses.host=$TRAINER_HOST" "telemetry.metrics_port=$(mport 4)" --config "$CONFIG"
+
+# --- group 2: rollout, one worker per task (one GPU each) ---
+ROLLOUT=(srun --het-group=2 --unbuffered --gpus-per-task=1)
+[[ -n "${FLYWHEEL_ROLLOUT_PER_NODE:-}" ]] && ROLLOUT+=(--ntasks-per-node="$FLYWHEEL_ROLLOUT_PER_NODE")
+start rollout "${ROLLOUT[@]}" bash "$FLYWHEEL_HOME/deploy/slurm/rollout_task.sh"
+
+[[ "$DRY_RUN" == 1 ]] && exit 0
+
+# --- wait: the trainer finishing is success; anything else dying first is failure ---
+rc=0
+while :; do
+  if ! kill -0 "${PIDS[trainer]}" 2> /dev/null; then
+    wait "${PIDS[trainer]}" && rc=0 || rc=$?
+    echo "flywheel: trainer exited with $rc"
+    break
+  fi
+  for name in "${ORDER[@]}"; do
+    if ! kill -0 "${PIDS[$name]}" 2> /dev/null; then
+      echo "flywheel: $name exited early; its log ends:" >&2
+      tail -n 30 "$RUN_DIR/logs/$name.log" >&2 || true
+      rc=1
+      break 2
+    fi
+  done
+  sleep 5
+done
+exit "$rc"
