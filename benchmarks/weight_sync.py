@@ -1,0 +1,259 @@
+"""Weight-channel throughput against its ceilings, with receivers in separate processes.
+
+For each backend, payload size and receiver count it prints:
+  channel   WeightSender.sync of a model-like state (mostly 8 MiB tensors, ~10% in 64 KiB ones),
+            GB/s per receiver
+  raw       one flat tensor moved by the same transport with no channel logic (gloo: one broadcast on a
+            bare, already connected ProcessGroupGloo; nixl: register + one READ of one buffer): the
+            transport's ceiling
+  memcpy    torch copy_ of the same bytes in one process: the machine's ceiling
+and the ratios channel/raw and channel/memcpy. GB = 1e9 bytes. Each figure is the best of `--repeat` runs
+after one warm-up.
+
+    python benchmarks/weight_sync.py --backends gloo,nixl --sizes 100 --receivers 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL, LARGE = 64 << 10, 8 << 20
+
+
+def model_like_state(total_bytes: int):
+    """~10% of bytes in 64 KiB tensors, the rest in 8 MiB ones, float32."""
+    import torch
+
+    state, small_budget, i = {}, total_bytes // 10, 0
+    while small_budget >= SMALL:
+        state[f"norm.{i}"] = torch.randn(SMALL // 4)
+        small_budget -= SMALL
+        i += 1
+    rest = total_bytes - i * SMALL
+    j = 0
+    while rest > 0:
+        n = min(LARGE, rest) // 4
+        state[f"linear.{j}"] = torch.randn(max(n, 1))
+        rest -= LARGE
+        j += 1
+    return state
+
+
+# -- receiver process ------------------------------------------------------------------------------------
+
+
+def receiver_main(a: argparse.Namespace) -> None:
+    import torch
+
+    from services.common.weights import WeightReceiver, poll_announcement
+    from services.common.weights.rendezvous import Deadline, connect_store, wait_key
+
+    store = connect_store(a.store, Deadline(30))
+    receiver = WeightReceiver(a.worker_id, a.backend, host="127.0.0.1")
+    into = {k: torch.empty_like(v) for k, v in model_like_state(a.bytes).items()}
+    flat = torch.empty(a.bytes, dtype=torch.uint8)
+    after, k = (0, 0), 0
+    print(json.dumps({"event": "ready"}), flush=True)
+    while True:
+        k += 1
+        cmd = json.loads(wait_key(store, f"bench/cmd/{k}", Deadline(600), "a bench command"))
+        if cmd["op"] == "exit":
+            return
+        if cmd["op"] == "sync":
+            ann = poll_announcement(a.store, newer_than=after, timeout_s=120)
+            after = ann.order
+            receiver.receive(ann, into, timeout_s=120)
+        elif cmd["op"] == "raw":
+            raw_receive(a.backend, store, cmd, a.rank, flat)
+
+
+def raw_receive(backend: str, store, cmd: dict, rank: int, flat) -> None:
+    from torch.distributed import PrefixStore
+
+    prefix = PrefixStore(cmd["prefix"], store)
+    if backend == "gloo":
+        pg = _gloo(prefix, rank, cmd["world"])
+        pg.broadcast(flat, 0).wait(timedelta(seconds=120))
+    else:
+        _nixl_read(prefix, flat)
+    prefix.set(f"done/{rank}", "1")
+
+
+def _gloo(store, rank: int, world: int):
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = timedelta(seconds=120)
+    return ProcessGroupGloo(store, rank, world, opts)
+
+
+_AGENT = None
+
+
+def _agent(progress_thread: bool):
+    global _AGENT
+    if _AGENT is None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        _AGENT = nixl_agent(f"bench-{os.getpid()}", nixl_agent_config(enable_prog_thread=progress_thread))
+    return _AGENT
+
+
+def _nixl_read(store, flat) -> None:
+    from services.common.weights.rendezvous import Deadline, wait_key
+
+    agent = _agent(False)
+    peer = agent.add_remote_agent(wait_key(store, "agent", Deadline(60), "agent"))
+    addr, length = json.loads(wait_key(store, "desc", Deadline(60), "desc"))
+    reg = agent.register_memory([flat])
+    handle = agent.initialize_xfer(
+        "READ", agent.get_xfer_descs([flat]), agent.get_xfer_descs([(addr, length, 0)], "DRAM"), peer
+    )
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    assert state == "DONE", state
+    agent.release_xfer_handle(handle)
+    agent.deregister_memory(reg)
+    agent.remove_remote_agent(peer)
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, backend: str, nbytes: int, receivers: int, bucket_bytes: int):
+        from services.common.weights import WeightSender
+
+        self.backend, self.nbytes, self.n = backend, nbytes, receivers
+        self.sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes)
+        self.k = 0
+        self.members = [f"r{i}" for i in range(receivers)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.procs = []
+        for i, w in enumerate(self.members):
+            cmd = [sys.executable, __file__, "--role", "receiver", "--store", self.sender.store_address,
+                   "--worker-id", w, "--rank", str(i + 1), "--bytes", str(nbytes), "--backends", backend]
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            for line in p.stdout:
+                if line.startswith('{"event": "ready"'):
+                    break
+            self.procs.append(p)
+
+    def command(self, op: str, **kw) -> None:
+        self.k += 1
+        self.sender.store.set(f"bench/cmd/{self.k}", json.dumps({"op": op, **kw}))
+
+    def channel(self, state, version: int) -> float:
+        self.command("sync")
+        r = self.sender.sync(version, self.members, state, timeout_s=300)
+        assert r.members_ok == self.members, r
+        return r.gbps
+
+    def raw(self, flat) -> float:
+        from torch.distributed import PrefixStore
+
+        from services.common.weights.rendezvous import Deadline, wait_keys
+
+        prefix_name = f"bench/raw/{self.k + 1}"
+        prefix = PrefixStore(prefix_name, self.sender.store)
+        self.command("raw", prefix=prefix_name, world=self.n + 1)
+        if self.backend == "gloo":
+            pg = _gloo(prefix, 0, self.n + 1)  # connection setup is not timed: the channel reuses its group
+            start = time.perf_counter()
+            pg.broadcast(flat, 0).wait(timedelta(seconds=120))
+        else:
+            agent = _agent(True)
+            start = time.perf_counter()
+            reg = agent.register_memory([flat])
+            prefix.set("agent", agent.get_agent_metadata())
+            prefix.set("desc", json.dumps([flat.data_ptr(), flat.numel()]))
+        done = wait_keys(prefix, [f"done/{i + 1}" for i in range(self.n)], Deadline(300))
+        seconds = time.perf_counter() - start
+        assert len(done) == self.n
+        if self.backend == "nixl":
+            agent.deregister_memory(reg)
+        return self.nbytes / seconds / 1e9
+
+    def close(self) -> None:
+        self.command("exit")
+        for p in self.procs:
+            p.wait(timeout=60)
+        self.sender.close()
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    import torch
+
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeat))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(a: argparse.Namespace) -> None:
+    import torch
+
+    print(f"{'backend':<8} {'size':>6} {'recv':>4} {'channel GB/s':>13} {'raw GB/s':>9} {'memcpy GB/s':>12} "
+          f"{'chan/raw':>9} {'chan/memcpy':>12}", flush=True)
+    for mb in a.sizes:
+        nbytes = mb * 1_000_000 // 4 * 4
+        state = model_like_state(nbytes)
+        nbytes = sum(t.numel() * 4 for t in state.values())
+        flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        mem = memcpy_gbps(nbytes, a.repeat)
+        for backend in a.backends:
+            for n in a.receivers:
+                bench = Bench(backend, nbytes, n, a.bucket_mb << 20)
+                try:
+                    bench.channel(state, 0)  # warm-up: group setup paths, agent start, page faults
+                    chan = max(bench.channel(state, v + 1) for v in range(a.repeat))
+                    bench.raw(flat)
+                    raw = max(bench.raw(flat) for _ in range(a.repeat))
+                finally:
+                    bench.close()
+                print(f"{backend:<8} {mb:>4}MB {n:>4} {chan:>13.2f} {raw:>9.2f} {mem:>12.2f} "
+                      f"{chan / raw:>9.2f} {chan / mem:>12.2f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="gloo,nixl", help="comma list: gloo,nixl")
+    p.add_argument("--sizes", default="100,1000", help="payload sizes in MB (1e6 bytes), comma list")
+    p.add_argument("--receivers", default="1,2", help="receiver counts, comma list")
+    p.add_argument("--bucket-mb", type=int, default=64, help="channel bucket size in MiB")
+    p.add_argument("--repeat", type=int, default=3, help="measured runs per figure (best is shown)")
+    p.add_argument("--role", default="driver", choices=["driver", "receiver"], help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    sys.path.insert(0, str(REPO))
+    if a.role == "receiver":
+        a.backend = a.backends
+        receiver_main(a)
+        return
+    a.backends = a.backends.split(",")
+    a.sizes = [int(x) for x in a.sizes.split(",")]
+    a.receivers = [int(x) for x in a.receivers.split(",")]
+    run(a)
+
+
+if __name__ == "__main__":
+    main()

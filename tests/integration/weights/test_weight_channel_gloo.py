@@ -1,0 +1,115 @@
+"""Failure handling of the weight channel, over gloo between separate processes: dead, stalled, absent,
+late and restarted members, and a model that does not match.
+
+Receivers are real subprocesses (`weights_harness.py`) that learn of each epoch from the trainer's store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from services.common.weights import Announcement, ManifestMismatch, WeightReceiver, WeightSender
+from weights_harness import make_state, outcomes, spawn
+
+BUCKET = 4096  # small buckets: many of them, so double buffering and mid-sync failures are exercised
+SLACK_S = 5.0  # generous: the machine is shared; asserts only say "did not hang"
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(backend="gloo", bucket_bytes=BUCKET)
+    yield s
+    s.close()
+
+
+def _received(proc) -> list[dict]:
+    return [o for o in outcomes(proc) if o["event"] == "received"]
+
+
+def test_receiver_killed_mid_sync_is_dropped_and_sync_returns_within_deadline(sender):
+    healthy = spawn(sender.store_address, "w0")
+    slow = spawn(sender.store_address, "w1", sleep_per_bucket=1.0)
+    timeout_s = 10.0
+
+    def kill_when_joined():
+        limit = time.monotonic() + 10
+        while not sender.store.check(["epoch/1/v1/joined/w1"]) and time.monotonic() < limit:
+            time.sleep(0.01)
+        time.sleep(0.5)  # inside the transfer: the slow receiver needs about 1 s per bucket
+        os.kill(slow.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_when_joined, daemon=True).start()
+    start = time.monotonic()
+    result = sender.sync(1, ["w0", "w1"], make_state(1), timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s + SLACK_S
+    assert result.members_ok == ["w0"] and result.members_dropped == ["w1"]
+    assert [o["equal"] for o in _received(healthy)] == [True]
+    slow.wait(timeout=5)
+
+
+def test_stalled_receiver_is_dropped_without_hanging_the_sender(sender):
+    healthy = spawn(sender.store_address, "w0")
+    stalled = spawn(sender.store_address, "w1", sleep_per_bucket=1.0)
+    timeout_s = 8.0
+
+    def stop_when_joined():
+        limit = time.monotonic() + 10
+        while not sender.store.check(["epoch/1/v1/joined/w1"]) and time.monotonic() < limit:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        os.kill(stalled.pid, signal.SIGSTOP)  # alive, sockets open, never reads again
+
+    threading.Thread(target=stop_when_joined, daemon=True).start()
+    try:
+        start = time.monotonic()
+        result = sender.sync(1, ["w0", "w1"], make_state(1), timeout_s=timeout_s)
+        assert time.monotonic() - start < timeout_s + SLACK_S
+        assert result.members_ok == ["w0"] and result.members_dropped == ["w1"]
+        assert [o["equal"] for o in _received(healthy)] == [True]
+    finally:
+        stalled.kill()
+        stalled.wait(timeout=5)
+
+
+def test_absent_member_is_dropped_and_the_others_get_the_version():
+    sender = WeightSender(backend="gloo", bucket_bytes=BUCKET, join_timeout_s=3)
+    proc = spawn(sender.store_address, "w0")
+    result = sender.sync(3, ["w0", "ghost"], make_state(3), timeout_s=12)
+    sender.close()
+    assert (result.members_ok, result.members_dropped, result.attempts) == (["w0"], ["ghost"], 2)
+    assert [o["equal"] for o in _received(proc)] == [True]
+
+
+def test_late_worker_receives_the_current_version_at_the_next_epoch(sender):
+    early = spawn(sender.store_address, "w0", versions=2)
+    first = sender.sync(1, ["w0"], make_state(1), timeout_s=10)
+    late = spawn(sender.store_address, "late")
+    second = sender.sync(1, ["w0", "late"], make_state(1), timeout_s=10)
+    assert first.members_ok == ["w0"] and second.members_ok == ["w0", "late"]
+    assert second.epoch > first.epoch
+    assert [(o["version"], o["equal"]) for o in _received(late)] == [(1, True)]
+    assert [o["equal"] for o in _received(early)] == [True, True]
+
+
+def test_receiver_refuses_an_announcement_for_another_model(sender):
+    ann = Announcement(version=1, epoch=1, manifest_digest="0" * 64, store_address=sender.store_address,
+                       backend="gloo", members=["w0"])
+    with pytest.raises(ManifestMismatch, match="manifest"):
+        WeightReceiver("w0", "gloo").receive(ann.fields(), make_state(0), timeout_s=2)
+
+
+def test_same_members_keep_their_epoch_and_a_restarted_worker_forces_a_new_one(sender):
+    first = spawn(sender.store_address, "w0", versions=2)
+    r1 = sender.sync(1, ["w0"], make_state(1), timeout_s=10)
+    r2 = sender.sync(2, ["w0"], make_state(2), timeout_s=10)
+    assert r1.epoch == r2.epoch and r2.attempts == 1  # the process group is reused
+    assert [o["equal"] for o in _received(first)] == [True, True]
+    restarted = spawn(sender.store_address, "w0")  # same id, new process: it holds no group for that epoch
+    r3 = sender.sync(3, ["w0"], make_state(3), timeout_s=10)
+    assert r3.members_ok == ["w0"] and r3.epoch > r2.epoch and r3.attempts == 2
+    assert [(o["version"], o["equal"]) for o in _received(restarted)] == [(3, True)]

@@ -1,0 +1,89 @@
+"""Manifest, bucket plan, packing and checksum: pure layout logic, CPU, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.weights.manifest import ALIGN, Manifest, checksum, plan_buckets
+from services.common.weights.packing import new_buffer, pack, unpack, whole_source
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(3, 5, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "big": torch.randn(4096, generator=g),
+        "c": torch.randint(0, 100, (2, 2), generator=g),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def test_digest_is_stable_and_sensitive_to_name_shape_dtype_and_order():
+    base = Manifest.of(_state())
+    assert base.digest == Manifest.of(_state(seed=1)).digest  # values do not matter
+    renamed = dict(_state())
+    renamed["a2"] = renamed.pop("a")
+    reordered = dict(reversed(list(_state().items())))
+    retyped = {**_state(), "a": torch.zeros(3, 5, dtype=torch.float16)}
+    reshaped = {**_state(), "a": torch.zeros(5, 3)}
+    digests = {Manifest.of(s).digest for s in (renamed, reordered, retyped, reshaped)}
+    assert base.digest not in digests and len(digests) == 4
+
+
+def test_plan_sends_tensors_larger_than_a_bucket_whole_and_packs_the_rest():
+    plan = plan_buckets(Manifest.of(_state()), bucket_bytes=256)
+    whole = [b for b in plan if b.whole]
+    assert [b.slots[0].spec.name for b in whole] == ["big"]
+    assert all(b.nbytes <= 256 for b in plan if not b.whole)
+    names = [s.spec.name for b in plan for s in b.slots]
+    assert names == list(_state())  # manifest order is kept
+    assert all(s.offset % ALIGN == 0 for b in plan for s in b.slots)
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 128, 1000, 1 << 20])
+def test_plan_is_identical_when_derived_twice(bucket_bytes):
+    # Values differ, layout does not: the plan depends on the manifest only.
+    a, b = Manifest.of(_state()), Manifest.of(_state(9))
+    assert plan_buckets(a, bucket_bytes) == plan_buckets(b, bucket_bytes)
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 200, 4096, 1 << 20])
+def test_pack_then_unpack_is_bitwise_identity(bucket_bytes):
+    src, dst = _state(1), {k: torch.zeros_like(v) for k, v in _state(1).items()}
+    for bucket in plan_buckets(Manifest.of(src), bucket_bytes):
+        if bucket.whole:
+            dst[bucket.slots[0].spec.name].view(-1).view(torch.uint8).copy_(whole_source(bucket, src))
+        else:
+            unpack(bucket, pack(bucket, src, new_buffer(bucket.nbytes)).clone(), dst)
+    assert all(torch.equal(src[k], dst[k]) for k in src)
+
+
+def test_pack_accepts_non_contiguous_sources():
+    src = {"t": torch.arange(12.0).reshape(3, 4).t()}
+    (bucket,) = plan_buckets(Manifest.of(src), 1024)
+    dst = {"t": torch.zeros(4, 3)}
+    unpack(bucket, pack(bucket, src, new_buffer(bucket.nbytes)), dst)
+    assert torch.equal(dst["t"], src["t"])
+
+
+def test_whole_source_shares_storage_with_a_contiguous_tensor():
+    src = {"big": torch.randn(100)}
+    (bucket,) = plan_buckets(Manifest.of(src), 64)
+    assert bucket.whole and whole_source(bucket, src).data_ptr() == src["big"].data_ptr()
+
+
+def test_checksum_changes_with_one_bit_and_with_order():
+    s = _state()
+    base = checksum(s.values())
+    assert base == checksum(_state().values())
+    flipped = {k: v.clone() for k, v in s.items()}
+    flipped["big"].view(torch.int32)[17] ^= 1
+    assert checksum(flipped.values()) != base
+    assert checksum(reversed(list(s.values()))) != base
+
+
+def test_plan_rejects_buckets_smaller_than_the_alignment():
+    with pytest.raises(ValueError):
+        plan_buckets(Manifest.of(_state()), ALIGN - 1)
