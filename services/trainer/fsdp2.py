@@ -27,10 +27,12 @@ from services.trainer.batch import TrainBatch
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size): from torchrun's environment, else a single local rank."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        else:  # explicit arguments, not os.environ: child processes must not inherit a rendezvous
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timedelta(minutes=10))
     return dist.get_rank(), dist.get_world_size()
 
 
