@@ -136,7 +136,8 @@ class RolloutWorker:
     async def _handle(self, msg) -> None:
         group = types_pb2.PromptGroup.FromString(msg.data)
         if self.version < 0 or group.target_step - self.version > self.cfg.grpo.max_staleness:
-            await msg.nak(delay=0.2)  # no or too old weights for this step: wait for the sync, or let another worker take it
+            # No weights yet, or too old for this step: wait for the sync, or let another worker take it.
+            await msg.nak(delay=0.2)
             return
         self.in_flight += 1
         keepalive = asyncio.create_task(self._keep_alive(msg))
