@@ -73,6 +73,13 @@ class GRPOConfig(Section):
     """Truncated samples get zero loss weight."""
 
     @model_validator(mode="after")
+    def _dynamic_sampling_not_built(self) -> GRPOConfig:
+        if self.use_dynamic_sampling:  # refusing beats silently training without it
+            raise ValueError("use_dynamic_sampling is not supported yet (the zero-variance filter exists, "
+                             "refilling the step from replay does not)")
+        return self
+
+    @model_validator(mode="after")
     def _clip_bounds_ordered(self) -> GRPOConfig:
         low, high = self.advantage_clip_low, self.advantage_clip_high
         if low is not None and high is not None and low > high:

@@ -27,7 +27,7 @@ from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_
 from services.common.server import channel, in_daemon_thread, run_service
 from services.common.telemetry import setup_telemetry
 from services.common.weights import WeightSender
-from services.trainer.algorithms import compute_advantages
+from services.trainer.algorithms import compute_advantages, overlong_reward_penalty
 from services.trainer.batch import TrainBatch, build_batch
 from services.trainer.fsdp2 import FSDP2Policy
 from services.trainer.step_metrics import step_metrics
@@ -108,8 +108,11 @@ class Trainer:
     def _train(self, batch: TrainBatch) -> dict[str, float]:
         g = self.cfg.grpo
         valid = batch.sample_mask > 0
+        rewards = batch.rewards
+        if g.reward_shaping.enabled:  # DAPO overlong penalty on the generated length
+            rewards = rewards + overlong_reward_penalty(batch.token_mask.sum(dim=1), g.reward_shaping)
         advantages, adv_metrics = compute_advantages(
-            batch.rewards, batch.prompt_ids, valid, use_leave_one_out_baseline=g.use_leave_one_out_baseline,
+            rewards, batch.prompt_ids, valid, use_leave_one_out_baseline=g.use_leave_one_out_baseline,
             normalize_rewards=g.normalize_rewards, advantage_clip_low=g.advantage_clip_low,
             advantage_clip_high=g.advantage_clip_high)
         metrics = self.policy.train_step(batch, advantages)
