@@ -190,7 +190,7 @@ class WeightSender:
             members_dropped=dropped,
             seconds=time.monotonic() - start,
             bytes=manifest.nbytes,
-            checksum=expected.result() if expected.done() else "",
+            checksum=_within(expected, deadline),
             manifest_digest=manifest.digest,
             attempts=attempts,
             failures=failures,
@@ -284,6 +284,14 @@ class WeightSender:
     def close(self) -> None:
         self.backend.close()
         self._pool.shutdown(wait=False)
+
+
+def _within(future, deadline: Deadline) -> str:
+    """The sender's checksum if it is ready by the deadline, else "" (the sync never waits past it)."""
+    try:
+        return future.result(timeout=max(0.0, deadline.left()))
+    except TimeoutError:
+        return ""
 
 
 class WeightReceiver:
