@@ -11,9 +11,7 @@ same ratio with separate devices.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
-import time
 from pathlib import Path
 
 from services.common.config import load_config
@@ -26,15 +24,7 @@ def run(steps: int, k: int, overrides: list[str]) -> dict[str, float]:
     cfg = load_config(None, [f"grpo.max_num_steps={steps}", f"grpo.max_staleness={k}", *overrides])
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
-        path = Path(tmp) / "metrics.jsonl"
-        while True:
-            dead = stack.children.dead()
-            if dead:
-                raise SystemExit(f"{dead} died:\n{stack.children.tail(dead)}")
-            rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-            if len(rows) >= steps:
-                break
-            time.sleep(0.5)
+        rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
     timed = rows[WARMUP:]
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     return {"step_s": mean("timing/train/total_step_time"), "train_s": mean("timing/train/policy_training"),

@@ -11,7 +11,6 @@ Redis, the weight channel and process boundaries cost.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -64,13 +63,8 @@ def in_process(cfg) -> float:
 def through_services(cfg) -> float:
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
-        path = Path(tmp) / "metrics.jsonl"
-        while not path.exists() or len(path.read_text().splitlines()) < cfg.grpo.max_num_steps:
-            dead = stack.children.dead()
-            if dead:
-                raise SystemExit(f"{dead} died:\n{stack.children.tail(dead)}")
-            time.sleep(0.5)
-        rows = [json.loads(line) for line in path.read_text().splitlines()][WARMUP:]
+        steps = cfg.grpo.max_num_steps
+        rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)[WARMUP:]
     return sum(r["timing/train/total_step_time"] for r in rows) / len(rows)
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from services.common.bus import Bus
@@ -68,6 +69,12 @@ class Children:
         return "\n".join((self.run_dir / "logs" / f"{name}.log").read_text().splitlines()[-lines:])
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The trainer's metrics.jsonl rows so far (one per finished step)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Path) -> FlywheelConfig:
     cfg = cfg.model_copy(deep=True)
     a = cfg.addresses
@@ -97,6 +104,20 @@ class LocalStack:
         for i in range(self.cfg.rollout.num_workers):
             extra = [] if i == 0 else [f"addresses.rollout=127.0.0.1:{free_port()}"]
             self.children.start(f"rollout-{i}", "rollout", self.config_path, extra)
+
+    def wait_for(self, done: Callable[[list[dict]], bool], what: str, timeout_s: float) -> list[dict]:
+        """Metrics rows once `done(rows)`; raises if a service dies or `timeout_s` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.children.dead()
+            if dead:
+                raise RuntimeError(f"{dead} died:\n{self.children.tail(dead)}")
+            rows = read_metrics(self.children.run_dir)
+            if done(rows):
+                return rows
+            time.sleep(0.3)
+        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}; "
+                           f"{len(read_metrics(self.children.run_dir))} steps")
 
     def stop(self) -> None:
         self.children.stop()
@@ -169,8 +190,7 @@ PARTS = [("generation", "timing/train/generation"), ("environment", "timing/trai
 
 
 def _summary(cfg: FlywheelConfig, run_dir: Path) -> None:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = read_metrics(run_dir)
     if not rows:
         print("no training steps finished", flush=True)
         return
@@ -190,4 +210,4 @@ def _summary(cfg: FlywheelConfig, run_dir: Path) -> None:
     remainder = step - sum(parts.values())
     print(f"    {'remainder':<12} {remainder:7.3f} s  control plane: NATS hops, leasing, queueing"
           + ("  (negative: rollout overlapped training)" if remainder < 0 else ""), flush=True)
-    print(f"  metrics: {path}", flush=True)
+    print(f"  metrics: {run_dir / 'metrics.jsonl'}", flush=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import time
 import urllib.request
 
 import grpc
@@ -17,19 +15,6 @@ from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc
 from services.local import LocalStack
 
 STEPS = 50
-
-
-def _wait_for_steps(stack: LocalStack, steps: int, timeout_s: float) -> list[dict]:
-    path = stack.children.run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dead = stack.children.dead()
-        assert dead is None, f"{dead} died:\n{stack.children.tail(dead)}"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        if len(rows) >= steps:
-            return rows
-        time.sleep(0.5)
-    raise AssertionError(f"only {len(rows)} of {steps} steps after {timeout_s}s")
 
 
 async def _batches(address: str, steps: int, per_step: int, k: int) -> list[replay_pb2.SampleResponse]:
@@ -44,7 +29,7 @@ def test_services_learn_toy_task_with_version_tags_and_no_group_used_twice(tmp_p
     cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "grpo.max_staleness=1"])
     with LocalStack(cfg, tmp_path) as stack:
         stack.start_services()
-        rows = _wait_for_steps(stack, STEPS, timeout_s=600)
+        rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=600)
         g = stack.cfg.grpo
         batches = asyncio.run(_batches(stack.cfg.addresses.replay, STEPS, g.num_prompts_per_step, g.max_staleness))
 

@@ -9,11 +9,8 @@ reward metric, and after `flywheel env remove` no new group of it is trained.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -40,21 +37,8 @@ def stack(tmp_path_factory):
         yield stack
 
 
-def metrics(stack: LocalStack) -> list[dict]:
-    path = Path(stack.children.run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def wait_until(stack: LocalStack, done, what: str, timeout_s: float = 60) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dead = stack.children.dead()
-        assert dead is None, f"{dead} died:\n{stack.children.tail(dead)}"
-        rows = metrics(stack)
-        if done(rows):
-            return rows
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; {len(metrics(stack))} steps")
+    return stack.wait_for(done, what, timeout_s)
 
 
 def admin(stack: LocalStack, token: str = TOKEN) -> ControllerClient:
