@@ -23,6 +23,10 @@ from nats.js.errors import BadRequestError
 
 from services.common.telemetry import inject_headers
 
+# nats-py waits up to 30 s by default; a service must stop within 5 s of SIGTERM, and on
+# loopback a second is ample to flush what is pending (unacked work is redelivered anyway).
+DRAIN_TIMEOUT_S = 1
+
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
@@ -80,7 +84,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, run: str, *, name: str = "flywheel") -> Bus:
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                drain_timeout=DRAIN_TIMEOUT_S)
         bus = cls(nc, run)
         await bus.ensure_streams()
         return bus
