@@ -34,7 +34,7 @@ import torch
 
 from services.common.weights import metrics
 from services.common.weights.backends import Backend, Epoch, make_backend
-from services.common.weights.manifest import Bucket, Manifest, checksum, crc_update, plan_buckets
+from services.common.weights.manifest import Bucket, Checksum, Manifest, checksum, plan_buckets
 from services.common.weights.rendezvous import (
     ABORT_KEY,
     Announcement,
@@ -44,6 +44,7 @@ from services.common.weights.rendezvous import (
     get_json,
     host_store,
     local_ip_towards,
+    poll_intervals,
     publish_to_store,
     put_json,
     round_store,
@@ -167,7 +168,7 @@ class WeightSender:
         start, deadline = time.monotonic(), Deadline(timeout_s)
         manifest = Manifest.of(tensors)
         plan = plan_buckets(manifest, self.bucket_bytes, self.whole_bytes)
-        # The sender's checksum overlaps the transfer (zlib releases the GIL).
+        # The sender's checksum overlaps the transfer (xxhash releases the GIL).
         expected = self._pool.submit(checksum, [tensors[s.name] for s in manifest.specs])
         todo, ok, dropped, attempts, failures = list(dict.fromkeys(members)), [], [], 0, 0
         while todo and not deadline.expired and attempts < self.max_attempts:
@@ -265,7 +266,7 @@ class WeightSender:
     def _confirmations(self, es, version, members, budget: Deadline, expected) -> _Outcome:
         out = _Outcome()
         waiting = set(members)
-        while waiting:
+        for sleep in poll_intervals():
             for m in list(waiting):
                 # An ack counts only once it can be compared with the trainer's own checksum.
                 if expected.done() and es.check([f"ack/{version}/{m}"]):
@@ -277,7 +278,7 @@ class WeightSender:
                     waiting.discard(m)
             if not waiting or budget.expired:
                 break
-            time.sleep(0.005)
+            time.sleep(sleep)
         out.lost = [m for m in members if m in waiting]
         return out
 
@@ -349,18 +350,17 @@ class WeightReceiver:
             collective_timeout_s=meta["timeout_s"],
             new_group=meta["new_group"],
         )
-        crc = 0
+        received = Checksum()
 
-        def fold(bucket: Bucket) -> None:  # buckets arrive in manifest order, so the CRC chains correctly
-            nonlocal crc
-            crc = crc_update(crc, [into[slot.spec.name] for slot in bucket.slots])
+        def fold(bucket: Bucket) -> None:  # buckets arrive in manifest order, so the hash chains correctly
+            received.update(into[slot.spec.name] for slot in bucket.slots)
 
         try:
             self.backend.receive(ep, into, deadline, fold)
         except Exception as exc:
             es.set(f"nack/{ann.version}/{self.worker_id}", repr(exc)[:500])
             raise TransferFailed(f"{self.worker_id}: epoch {ann.epoch} version {ann.version}: {exc}") from exc
-        value = f"{crc:08x}"
+        value = received.hexdigest()
         es.set(f"ack/{ann.version}/{self.worker_id}", value)
         return value
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 # Offsets inside a packed bucket are multiples of this (bytes); 64 covers every dtype and a cache line.
 ALIGN = 64
@@ -44,7 +44,7 @@ class TensorSpec:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -131,19 +131,28 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, whole_bytes: int | None 
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> str:
-    """CRC-32 (zlib) chained over the raw bytes of `tensors` in the given (manifest) order, as 8 hex digits.
+    """xxh3-64 of the raw bytes of `tensors` chained in the given (manifest) order, as 16 hex digits."""
+    return Checksum().update(tensors).hexdigest()
 
-    Catches corruption, truncation and misordering; it is not a cryptographic hash. CRC-32 was picked
-    because it runs at memcpy-like speed (about 2 GB/s here, vs 1.1 GB/s for sha256) and releases the GIL.
+
+class Checksum:
+    """Running xxh3-64 over tensor bytes; folding pieces in order equals `checksum` of the whole list.
+
+    Catches corruption, truncation and misordering; it is not a cryptographic hash. xxh3 runs at about
+    9 GB/s per core here (twice a memcpy; CRC-32 managed 1.9 GB/s and was most of the channel's cost) and
+    releases the GIL, so it overlaps the transfer it checks.
     """
-    return f"{crc_update(0, tensors):08x}"
 
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
 
-def crc_update(crc: int, tensors: Iterable[torch.Tensor]) -> int:
-    """Fold `tensors` into a running CRC-32; `checksum` of a list equals folding its pieces in order."""
-    for t in tensors:
-        crc = zlib.crc32(as_bytes(t).numpy(), crc)
-    return crc
+    def update(self, tensors: Iterable[torch.Tensor]) -> Checksum:
+        for t in tensors:
+            self._h.update(as_bytes(t).numpy())
+        return self
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

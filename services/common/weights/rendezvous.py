@@ -29,7 +29,10 @@ from typing import Any
 from torch.distributed import PrefixStore, Store, TCPStore
 
 ANNOUNCE_KEY = "announce/latest"
-POLL_S = 0.005
+# Store polls back off from POLL_MIN_S to POLL_S: a key that appears soon (a join, "go", an ack; each a
+# few microseconds of store round trip) is seen within a fraction of a millisecond, while a long wait
+# costs the trainer's store at most 200 checks a second per waiter.
+POLL_MIN_S, POLL_S = 0.0002, 0.005
 ABORT_KEY = "abort"
 
 
@@ -144,33 +147,42 @@ def get_json(store: Store, key: str) -> dict[str, Any]:
     return json.loads(store.get(key))
 
 
+def poll_intervals():
+    """Sleep lengths for a polling loop: doubling from POLL_MIN_S, then POLL_S forever."""
+    sleep = POLL_MIN_S
+    while True:
+        yield sleep
+        sleep = min(sleep * 2, POLL_S)
+
+
 def wait_keys(store: Store, keys: Iterable[str], deadline: Deadline) -> set[str]:
     """Poll until every key exists or the deadline passes; return the keys that exist."""
     missing, present = set(keys), set()
-    while True:
+    for sleep in poll_intervals():
         for key in list(missing):
             if store.check([key]):
                 missing.discard(key)
                 present.add(key)
         if not missing or deadline.expired:
             return present
-        time.sleep(POLL_S)
+        time.sleep(sleep)
 
 
 def wait_key(store: Store, key: str, deadline: Deadline, what: str) -> bytes:
-    """Value of `key` once it exists; TimeoutError naming `what` if the deadline passes first.
+    """Value of `key` as soon as it exists; TimeoutError naming `what` if the deadline passes first.
 
     Raises RuntimeError at once if the sender marked the epoch failed (`abort` key), rather than waiting out
     the deadline for a key that will never come.
     """
-    while True:
-        present = wait_keys(store, [key, ABORT_KEY], deadline.sooner(0.05))
-        if key in present:
+    for sleep in poll_intervals():
+        if store.check([key]):
             return store.get(key)
-        if ABORT_KEY in present:
+        if store.check([ABORT_KEY]):
             raise RuntimeError(f"sender aborted the epoch: {store.get(ABORT_KEY).decode()}")
         if deadline.expired:
             raise TimeoutError(f"timed out waiting for {what} (store key {key!r})")
+        time.sleep(sleep)
+    raise AssertionError("unreachable")
 
 
 def publish_to_store(store: Store, ann: Announcement) -> None:
@@ -194,12 +206,14 @@ def poll_announcement(
         _clients[store_address] = connect_store(store_address, deadline)
     store = _clients[store_address]
     try:
-        while not deadline.expired:
+        for sleep in poll_intervals():
+            if deadline.expired:
+                break
             if store.check([ANNOUNCE_KEY]):
                 ann = Announcement.parse(get_json(store, ANNOUNCE_KEY))
                 if ann.order > tuple(newer_than):
                     return ann
-            time.sleep(POLL_S)
+            time.sleep(sleep)
     except RuntimeError:  # the trainer went away: reconnect on the next call, let the caller decide now
         _clients.pop(store_address, None)
         raise
