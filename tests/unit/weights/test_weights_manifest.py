@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.weights.manifest import ALIGN, Manifest, checksum, plan_buckets
+from services.common.weights.manifest import (
+    ALIGN,
+    SAMPLE_BYTES,
+    Checksum,
+    Manifest,
+    checksum,
+    plan_buckets,
+    sample,
+)
 from services.common.weights.packing import new_buffer, pack, unpack, whole_source
 
 
@@ -82,6 +90,37 @@ def test_checksum_changes_with_one_bit_and_with_order():
     flipped["big"].view(torch.int32)[17] ^= 1
     assert checksum(flipped.values()) != base
     assert checksum(reversed(list(s.values()))) != base
+
+
+def test_checksum_reads_small_tensors_whole_and_large_ones_at_their_ends_and_samples():
+    small = torch.zeros(SAMPLE_BYTES, dtype=torch.uint8)
+    large = torch.zeros(64 * SAMPLE_BYTES, dtype=torch.uint8)
+    base_small, base_large = checksum([small]), checksum([large])
+    for i in (0, 12345, SAMPLE_BYTES - 1):  # any byte of a tensor up to SAMPLE_BYTES
+        t = small.clone()
+        t[i] = 1
+        assert checksum([t]) != base_small
+    for i in (0, large.numel() - 1):  # truncation or a shifted copy shows at either end
+        t = large.clone()
+        t[i] = 1
+        assert checksum([t]) != base_large
+    assert sample(large).numel() == SAMPLE_BYTES
+
+
+def test_checksum_folded_piece_by_piece_equals_the_whole():
+    s = {**_state(), "huge": torch.randn(SAMPLE_BYTES)}
+    folded = Checksum()
+    for t in s.values():
+        folded.update([t])
+    assert folded.hexdigest() == checksum(s.values())
+
+
+@pytest.mark.gpu
+def test_checksum_is_the_same_on_cuda_and_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    s = {**_state(), "huge": torch.randn(SAMPLE_BYTES)}
+    assert checksum(t.cuda() for t in s.values()) == checksum(s.values())
 
 
 def test_plan_rejects_buckets_smaller_than_the_alignment():
