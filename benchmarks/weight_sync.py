@@ -1,15 +1,17 @@
 """Weight-channel throughput against its ceilings, with receivers in separate processes.
 
-For each backend, payload size and receiver count it prints:
-  channel   WeightSender.sync of a model-like state (mostly 8 MiB tensors, ~10% in 64 KiB ones),
-            GB/s per receiver
-  raw       one flat tensor moved by the same transport with no channel logic (gloo: one broadcast on a
-            bare, already connected ProcessGroupGloo; nixl: register + one READ of one buffer): the
-            transport's ceiling
+For each backend, payload size, receiver count and layout of the state dict it prints:
+  channel   WeightSender.sync end to end (handshake, transfer, checksums, acks), GB/s per receiver
+  raw       one flat tensor of the same size moved by the same transport with no channel logic (gloo: one
+            broadcast on a bare, already connected ProcessGroupGloo; nixl: register + one READ of one
+            buffer): the transport's ceiling
   memcpy    torch copy_ of the same bytes in one process: the machine's ceiling
 and the ratios channel/raw and channel/memcpy. GB = 1e9 bytes. Each figure is the best of `--repeat` runs
-after one warm-up.
-
+after one warm-up. Layouts (float32):
+  decoder      the tensor mix of a real decoder (hidden 512 or 1024, GQA, MLP 2.75x, biases and norms,
+               ~20% of bytes in embeddings): tensors of 2 KiB to 100 MB, 3-4% of bytes packed
+  small-heavy  a pessimistic mix: 10% of bytes in 64 KiB tensors (all packed), the rest in 8 MiB ones
+  flat         one tensor: the channel's own cost, without any layout's
     python benchmarks/weight_sync.py --backends gloo,nixl --sizes 100 --receivers 1,2
 """
 
@@ -25,26 +27,54 @@ from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL, LARGE = 64 << 10, 8 << 20
+LAYOUTS = ("decoder", "small-heavy", "flat")
 
 
-def model_like_state(total_bytes: int):
-    """~10% of bytes in 64 KiB tensors, the rest in 8 MiB ones, float32."""
+def state_for(layout: str, total_bytes: int):
+    """A state dict of about `total_bytes` float32 bytes in the given layout (see the module docstring)."""
     import torch
 
-    state, small_budget, i = {}, total_bytes // 10, 0
-    while small_budget >= SMALL:
-        state[f"norm.{i}"] = torch.randn(SMALL // 4)
-        small_budget -= SMALL
-        i += 1
-    rest = total_bytes - i * SMALL
-    j = 0
-    while rest > 0:
-        n = min(LARGE, rest) // 4
-        state[f"linear.{j}"] = torch.randn(max(n, 1))
-        rest -= LARGE
-        j += 1
-    return state
+    floats = total_bytes // 4
+    shapes: dict[str, tuple[int, ...]] = {}
+    if layout == "flat":
+        shapes["flat"] = (floats,)
+    elif layout == "small-heavy":
+        small, large = (64 << 10) // 4, (8 << 20) // 4
+        n_small = floats // 10 // small
+        shapes.update({f"norm.{i}": (small,) for i in range(n_small)})
+        rest, j = floats - n_small * small, 0
+        while rest > 0:
+            shapes[f"linear.{j}"] = (min(large, rest),)
+            rest -= large
+            j += 1
+    elif layout == "decoder":
+        h = 512 if total_bytes < 500_000_000 else 1024  # at least 7 layers at every size
+        kv, mlp = h // 4, h * 11 // 4
+        vocab = max(1, floats // 10 // h)  # input embedding + untied head: ~20% of the bytes
+        shapes["embed_tokens.weight"] = (vocab, h)
+        layer = {
+            "input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,),
+            "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (mlp, h), "mlp.up_proj.weight": (mlp, h), "mlp.down_proj.weight": (h, mlp),
+        }
+        per_layer = sum(_numel(s) for s in layer.values())
+        for i in range(max(1, (floats - 2 * vocab * h) // per_layer)):
+            shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+        shapes["norm.weight"] = (h,)
+        shapes["lm_head.weight"] = (vocab, h)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 # -- receiver process ------------------------------------------------------------------------------------
@@ -58,7 +88,7 @@ def receiver_main(a: argparse.Namespace) -> None:
 
     store = connect_store(a.store, Deadline(30))
     receiver = WeightReceiver(a.worker_id, a.backend, host="127.0.0.1")
-    into = {k: torch.empty_like(v) for k, v in model_like_state(a.bytes).items()}
+    into = {layout: {k: torch.empty_like(v) for k, v in state_for(layout, a.bytes).items()} for layout in a.layouts}
     flat = torch.empty(a.bytes, dtype=torch.uint8)
     after, k = (0, 0), 0
     print(json.dumps({"event": "ready"}), flush=True)
@@ -70,7 +100,7 @@ def receiver_main(a: argparse.Namespace) -> None:
         if cmd["op"] == "sync":
             ann = poll_announcement(a.store, newer_than=after, timeout_s=120)
             after = ann.order
-            receiver.receive(ann, into, timeout_s=120)
+            receiver.receive(ann, into[cmd["layout"]], timeout_s=120)
         elif cmd["op"] == "raw":
             raw_receive(a.backend, store, cmd, a.rank, flat)
 
@@ -99,19 +129,19 @@ def _gloo(store, rank: int, world: int):
 _AGENT = None
 
 
-def _agent(progress_thread: bool):
+def _agent():
     global _AGENT
     if _AGENT is None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        _AGENT = nixl_agent(f"bench-{os.getpid()}", nixl_agent_config(enable_prog_thread=progress_thread))
+        _AGENT = nixl_agent(f"bench-{os.getpid()}", nixl_agent_config(enable_prog_thread=False))
     return _AGENT
 
 
 def _nixl_read(store, flat) -> None:
     from services.common.weights.rendezvous import Deadline, wait_key
 
-    agent = _agent(False)
+    agent = _agent()
     peer = agent.add_remote_agent(wait_key(store, "agent", Deadline(60), "agent"))
     addr, length = json.loads(wait_key(store, "desc", Deadline(60), "desc"))
     reg = agent.register_memory([flat])
@@ -131,18 +161,20 @@ def _nixl_read(store, flat) -> None:
 
 
 class Bench:
-    def __init__(self, backend: str, nbytes: int, receivers: int, bucket_bytes: int):
+    def __init__(self, backend: str, nbytes: int, receivers: int, bucket_bytes: int, whole_bytes: int | None,
+                 layouts: list[str]):
         from services.common.weights import WeightSender
 
         self.backend, self.nbytes, self.n = backend, nbytes, receivers
-        self.sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes)
+        self.sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes, whole_bytes=whole_bytes)
         self.k = 0
         self.members = [f"r{i}" for i in range(receivers)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.procs = []
         for i, w in enumerate(self.members):
             cmd = [sys.executable, __file__, "--role", "receiver", "--store", self.sender.store_address,
-                   "--worker-id", w, "--rank", str(i + 1), "--bytes", str(nbytes), "--backends", backend]
+                   "--worker-id", w, "--rank", str(i + 1), "--bytes", str(nbytes), "--backends", backend,
+                   "--layouts", ",".join(layouts)]
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
             for line in p.stdout:
                 if line.startswith('{"event": "ready"'):
@@ -153,8 +185,8 @@ class Bench:
         self.k += 1
         self.sender.store.set(f"bench/cmd/{self.k}", json.dumps({"op": op, **kw}))
 
-    def channel(self, state, version: int) -> float:
-        self.command("sync")
+    def channel(self, state, version: int, layout: str) -> float:
+        self.command("sync", layout=layout)
         r = self.sender.sync(version, self.members, state, timeout_s=300)
         assert r.members_ok == self.members, r
         return r.gbps
@@ -171,13 +203,17 @@ class Bench:
             pg = _gloo(prefix, 0, self.n + 1)  # connection setup is not timed: the channel reuses its group
             start = time.perf_counter()
             pg.broadcast(flat, 0).wait(timedelta(seconds=120))
+            done = wait_keys(prefix, [f"done/{i + 1}" for i in range(self.n)], Deadline(300))
         else:
-            agent = _agent(True)
+            agent = _agent()
             start = time.perf_counter()
             reg = agent.register_memory([flat])
             prefix.set("agent", agent.get_agent_metadata())
             prefix.set("desc", json.dumps([flat.data_ptr(), flat.numel()]))
-        done = wait_keys(prefix, [f"done/{i + 1}" for i in range(self.n)], Deadline(300))
+            done = set()
+            while len(done) < self.n:  # the target progresses its worker while readers read (as the channel)
+                agent.get_new_notifs()
+                done = wait_keys(prefix, [f"done/{i + 1}" for i in range(self.n)], Deadline(0))
         seconds = time.perf_counter() - start
         assert len(done) == self.n
         if self.backend == "nixl":
@@ -209,26 +245,31 @@ def _timed(fn) -> float:
 def run(a: argparse.Namespace) -> None:
     import torch
 
-    print(f"{'backend':<8} {'size':>6} {'recv':>4} {'channel GB/s':>13} {'raw GB/s':>9} {'memcpy GB/s':>12} "
-          f"{'chan/raw':>9} {'chan/memcpy':>12}", flush=True)
+    print(f"{'backend':<8} {'size':>6} {'recv':>4} {'layout':<12} {'tensors':>7} {'channel GB/s':>13} "
+          f"{'raw GB/s':>9} {'memcpy GB/s':>12} {'chan/raw':>9} {'chan/memcpy':>12}", flush=True)
     for mb in a.sizes:
         nbytes = mb * 1_000_000 // 4 * 4
-        state = model_like_state(nbytes)
-        nbytes = sum(t.numel() * 4 for t in state.values())
+        states = {layout: state_for(layout, nbytes) for layout in a.layouts}
         flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         mem = memcpy_gbps(nbytes, a.repeat)
         for backend in a.backends:
             for n in a.receivers:
-                bench = Bench(backend, nbytes, n, a.bucket_mb << 20)
+                bench = Bench(backend, nbytes, n, a.bucket_mb << 20, (a.whole_kb << 10) or None, a.layouts)
                 try:
-                    bench.channel(state, 0)  # warm-up: group setup paths, agent start, page faults
-                    chan = max(bench.channel(state, v + 1) for v in range(a.repeat))
+                    chan, version = {}, 0
+                    for layout, state in states.items():
+                        # The first sync of each layout is a warm-up: first epoch, page faults in new buffers.
+                        for v in range(a.repeat + 1):
+                            version += 1
+                            gbps = bench.channel(state, version, layout)
+                            chan[layout] = max(chan.get(layout, 0.0), gbps) if v else 0.0
                     bench.raw(flat)
                     raw = max(bench.raw(flat) for _ in range(a.repeat))
                 finally:
                     bench.close()
-                print(f"{backend:<8} {mb:>4}MB {n:>4} {chan:>13.2f} {raw:>9.2f} {mem:>12.2f} "
-                      f"{chan / raw:>9.2f} {chan / mem:>12.2f}", flush=True)
+                for layout, gbps in chan.items():
+                    print(f"{backend:<8} {mb:>4}MB {n:>4} {layout:<12} {len(states[layout]):>7} {gbps:>13.2f} "
+                          f"{raw:>9.2f} {mem:>12.2f} {gbps / raw:>9.2f} {gbps / mem:>12.2f}", flush=True)
 
 
 def main() -> None:
@@ -236,7 +277,10 @@ def main() -> None:
     p.add_argument("--backends", default="gloo,nixl", help="comma list: gloo,nixl")
     p.add_argument("--sizes", default="100,1000", help="payload sizes in MB (1e6 bytes), comma list")
     p.add_argument("--receivers", default="1,2", help="receiver counts, comma list")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--bucket-mb", type=int, default=64, help="channel bucket size in MiB")
+    p.add_argument("--whole-kb", type=int, default=0,
+                   help="tensors of at least this many KiB go whole, smaller ones are packed (0: the backend's)")
     p.add_argument("--repeat", type=int, default=3, help="measured runs per figure (best is shown)")
     p.add_argument("--role", default="driver", choices=["driver", "receiver"], help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
@@ -245,6 +289,7 @@ def main() -> None:
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     sys.path.insert(0, str(REPO))
+    a.layouts = a.layouts.split(",")
     if a.role == "receiver":
         a.backend = a.backends
         receiver_main(a)

@@ -34,7 +34,7 @@ import torch
 
 from services.common.weights import metrics
 from services.common.weights.backends import Backend, Epoch, make_backend
-from services.common.weights.manifest import Bucket, Checksum, Manifest, checksum, plan_buckets
+from services.common.weights.manifest import Bucket, Checksum, Manifest, checksum, plan_buckets, plan_order
 from services.common.weights.rendezvous import (
     ABORT_KEY,
     Announcement,
@@ -54,8 +54,6 @@ from services.common.weights.rendezvous import (
 )
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-# Tensors this big travel whole: per-broadcast overhead is already small next to their transfer time.
-DEFAULT_WHOLE_BYTES = 4 << 20
 log = logging.getLogger(__name__)
 
 
@@ -117,7 +115,7 @@ class WeightSender:
         host: str = "127.0.0.1",
         port: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        whole_bytes: int | None = DEFAULT_WHOLE_BYTES,
+        whole_bytes: int | None = None,
         path: str = "",
         publish: Callable[[Announcement], None] | None = None,
         join_timeout_s: float = 10.0,
@@ -127,13 +125,14 @@ class WeightSender:
         `publish(announcement)`: called on the thread running `sync` once per round, before the sender waits
         for joins; wire NATS here (hand off, do not block). The announcement is also always written to the
         store under `announce/latest`. `path`: shared directory of the filesystem backend.
-        `bucket_bytes`/`whole_bytes`: see `plan_buckets`. `join_timeout_s`: how long a round waits for members
+        `bucket_bytes`/`whole_bytes`: see `plan_buckets`; `whole_bytes` defaults to the backend's
+        (`Backend.whole_bytes`). `join_timeout_s`: how long a round waits for members
         to join before going on without the absent ones. `max_attempts`: rounds per sync at most."""
         self.backend: Backend = make_backend(backend)
         self.host = host
         self.store = host_store(host, port)
         self.bucket_bytes = bucket_bytes
-        self.whole_bytes = whole_bytes
+        self.whole_bytes = self.backend.whole_bytes if whole_bytes is None else whole_bytes
         self.path = path
         self.publish = publish
         self.join_timeout_s = join_timeout_s
@@ -169,7 +168,7 @@ class WeightSender:
         manifest = Manifest.of(tensors)
         plan = plan_buckets(manifest, self.bucket_bytes, self.whole_bytes)
         # The sender's checksum overlaps the transfer (xxhash releases the GIL).
-        expected = self._pool.submit(checksum, [tensors[s.name] for s in manifest.specs])
+        expected = self._pool.submit(checksum, [tensors[name] for name in plan_order(plan)])
         todo, ok, dropped, attempts, failures = list(dict.fromkeys(members)), [], [], 0, 0
         while todo and not deadline.expired and attempts < self.max_attempts:
             attempts += 1
@@ -278,7 +277,7 @@ class WeightSender:
                     waiting.discard(m)
             if not waiting or budget.expired:
                 break
-            time.sleep(sleep)
+            self.backend.wait(sleep)
         out.lost = [m for m in members if m in waiting]
         return out
 
@@ -352,7 +351,7 @@ class WeightReceiver:
         )
         received = Checksum()
 
-        def fold(bucket: Bucket) -> None:  # buckets arrive in manifest order, so the hash chains correctly
+        def fold(bucket: Bucket) -> None:  # buckets arrive in plan order, as the sender's checksum chains them
             received.update(into[slot.spec.name] for slot in bucket.slots)
 
         try:

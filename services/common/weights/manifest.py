@@ -7,12 +7,16 @@ filling its parameters with garbage.
 `plan_buckets` cuts the manifest into transfer units. Sender and receiver call it with the same manifest and
 the same `bucket_bytes`, so they derive the same boundaries and no per-bucket metadata travels:
 
-    tensors (manifest order):  a(1K) b(2K) c(1K) D(64M) e(3K)          bucket_bytes = 4K
-    buckets:                   [a b] [c]   [D whole, no copy]  [e]
+    tensors (manifest order):  a(1K) b(2K) D(64M) c(1K) e(3K)          bucket_bytes = 4K
+    buckets (plan order):      [D whole, no copy]  [a b c]  [e]
 
-Small tensors are packed back to back into a flat uint8 bucket of at most `bucket_bytes`; a tensor larger
-than a bucket (or at least `whole_bytes`) travels alone, as itself (the sender sends its storage, no copy).
+Small tensors are packed back to back into a flat uint8 bucket of at most `bucket_bytes`, which goes out
+when it is full (or at the end); a tensor larger than a bucket (or at least `whole_bytes`) travels alone, as
+itself, as soon as it comes (the sender sends its storage, no copy). Small tensors keep filling the open
+bucket across the whole ones between them, so a model whose norms and biases sit between its matrices still
+makes a few full buckets rather than one tiny bucket per gap (each transfer has a fixed cost).
 Each packed tensor starts at an offset aligned to `ALIGN` bytes, so typed views of the buffer stay aligned.
+Transfers, and the checksum, follow plan order (`plan_order`), which both sides derive.
 """
 
 from __future__ import annotations
@@ -116,7 +120,6 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, whole_bytes: int | None 
 
     for spec in manifest.specs:
         if spec.nbytes >= whole_at:
-            close()
             slot = Slot(spec=spec, offset=0)
             buckets.append(Bucket(index=len(buckets), slots=(slot,), nbytes=spec.nbytes, whole=True))
             continue
@@ -128,6 +131,11 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, whole_bytes: int | None 
         used = start + spec.nbytes
     close()
     return buckets
+
+
+def plan_order(plan: list[Bucket]) -> list[str]:
+    """Tensor names in the order the plan moves them: the order the checksum chains them in."""
+    return [slot.spec.name for bucket in plan for slot in bucket.slots]
 
 
 # What the checksum reads of each tensor: all of it up to SAMPLE_BYTES, else SAMPLE_BLOCKS evenly spaced blocks

@@ -14,6 +14,7 @@ one epoch. Sender side, per epoch: `send` (returns once the data is out or avail
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ class Backend(ABC):
     """Moves one epoch's bytes. One instance per sender or receiver; may keep resources across epochs."""
 
     name: str = ""
+    whole_bytes: int = 1 << 20
+    """Default `plan_buckets` threshold: tensors of at least this many bytes travel as themselves, smaller ones
+    are packed. Packing costs a copy on each side and saves a transfer's fixed cost."""
 
     @abstractmethod
     def send(self, ep: Epoch, tensors: Mapping[str, torch.Tensor], deadline: Deadline) -> None:
@@ -74,6 +78,11 @@ class Backend(ABC):
         `on_bucket(bucket)` is called once per bucket, in plan order, as soon as its tensors in `into` are
         final; the channel folds its checksum there, overlapping the transfer of the next bucket.
         """
+
+    def wait(self, seconds: float) -> None:
+        """Trainer side, after `send`: let `seconds` pass while receivers finish and confirm. Backends whose
+        sender must act for receivers to progress (nixl) do that work here."""
+        time.sleep(seconds)
 
     def release(self, ep: Epoch) -> None:
         """Trainer side: the epoch is over (acked or abandoned); free what `send` kept alive for readers."""

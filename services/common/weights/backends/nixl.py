@@ -1,4 +1,4 @@
-"""nixl: receivers READ the trainer's registered buckets one-sided over UCX; the trainer's CPU stays idle.
+"""nixl: receivers READ the trainer's registered buckets one-sided over UCX, at their own pace.
 
 Per round, sender:   pack every packed bucket into one arena; register the arena and each whole tensor with
                      the trainer's nixl agent; publish the agent metadata and one (addr, len, dev) descriptor
@@ -10,7 +10,8 @@ Per round, receiver: wait for those keys (deadline); register its destinations (
 
 Descriptors travel as JSON, not nixl's pickled lists, so the store never carries pickles.
 Packing all buckets before publishing costs one copy of the small tensors and no double buffering; the
-one-sided read is what this backend buys (receivers pull at their own pace, the trainer waits only for acks).
+one-sided read is what this backend buys (receivers pull at their own pace; while they do, the trainer only
+progresses its UCX worker, in `wait`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.common.weights.packing import new_buffer, pack, unpack, whole_dest
 from services.common.weights.rendezvous import Deadline, wait_key
 
 POLL_S = 0.001
+PROGRESS_S = 0.0001  # the trainer's progress cadence while receivers read
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,20 +52,23 @@ def _desc(t: torch.Tensor) -> tuple[int, int, int]:
 
 class NixlBackend(Backend):
     name = "nixl"
+    # One READ carries every descriptor, and an extra descriptor costs next to nothing, so only tiny tensors
+    # (norms, biases) are worth packing (benchmarks/weight_sync.py: whole from 64 KiB beat 1 MiB).
+    whole_bytes = 64 << 10
 
     def __init__(self):
         self._agent = None
         self.arena: torch.Tensor | None = None
         self._registered: dict[int, object] = {}  # epoch -> registration descriptor list (sender)
 
-    def _make_agent(self, *, progress_thread: bool):
-        # Receivers drive progress themselves by polling the transfer state, so they skip UCX's progress
-        # thread (it costs about a third of a core while idle). The trainer keeps it: with transports where
-        # the target must progress (UCX over TCP) a READ would otherwise stall while the trainer awaits acks.
+    def _make_agent(self):
+        # No UCX progress thread on either side: NIXL's spins with no delay and holds a whole core for the life
+        # of the process (measured here: 1.0 CPU-second per idle second). Receivers progress by polling their
+        # transfer; the trainer progresses in `wait`, while receivers read.
         from nixl._api import nixl_agent, nixl_agent_config
 
         if self._agent is None:
-            config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
             self._agent = nixl_agent(f"flywheel-{uuid.uuid4().hex[:12]}", config)
         return self._agent
 
@@ -111,7 +116,7 @@ class NixlBackend(Backend):
     # -- sender --------------------------------------------------------------------------------------------
 
     def send(self, ep: Epoch, tensors: Mapping[str, torch.Tensor], deadline: Deadline) -> None:
-        self._make_agent(progress_thread=True)
+        self._make_agent()
         regions = self._regions(ep, tensors, sender=True)
         for r in regions:
             if not r.bucket.whole:
@@ -120,6 +125,16 @@ class NixlBackend(Backend):
         ep.store.set("nixl/agent", self.agent.get_agent_metadata())
         descs = {"mem_type": _mem_type(regions[0].tensor), "descs": [_desc(r.tensor) for r in regions]}
         ep.store.set("nixl/descs", json.dumps(descs))
+
+    def wait(self, seconds: float) -> None:
+        # The target of a READ must make progress too: over TCP UCX serves the data through its worker, and on
+        # every transport the completion handshake needs it (a READ stays in PROC otherwise, data landed or not).
+        end = time.monotonic() + seconds
+        while True:
+            self.agent.get_new_notifs()
+            if time.monotonic() >= end:
+                return
+            time.sleep(PROGRESS_S)
 
     def release(self, ep: Epoch) -> None:
         reg = self._registered.pop(ep.epoch, None)
@@ -131,7 +146,7 @@ class NixlBackend(Backend):
     def receive(
         self, ep: Epoch, into: Mapping[str, torch.Tensor], deadline: Deadline, on_bucket: OnBucket = None
     ) -> None:
-        self._make_agent(progress_thread=False)
+        self._make_agent()
         meta = wait_key(ep.store, "nixl/agent", deadline, "the trainer's nixl agent metadata")
         remote = json.loads(wait_key(ep.store, "nixl/descs", deadline, "the trainer's nixl descriptors"))
         peer = self.agent.add_remote_agent(meta)
