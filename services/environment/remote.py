@@ -24,13 +24,13 @@ import math
 import time
 
 import grpc
-from google.protobuf import json_format
 from opentelemetry import trace
 from prometheus_client import Counter
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.common.server import channel
+from services.common.structs import from_struct
 from services.environment.base import StepResult
 
 log = logging.getLogger("flywheel.environment.remote")
@@ -187,5 +187,5 @@ def _decode(r: environment_pb2.EpisodeResult) -> StepResult | None:
         return None
     return StepResult(observation=r.observation.content, reward=r.reward, named_rewards=dict(r.named_rewards),
                       terminated=r.terminated, next_stop_strings=list(r.next_stop_strings) or None,
-                      metadata=json_format.MessageToDict(r.metadata) if r.HasField("metadata") else None,
+                      metadata=from_struct(r.metadata) if r.HasField("metadata") else None,
                       answer=r.answer or None, error=r.error)

@@ -15,10 +15,11 @@ import asyncio
 import re
 import time
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 
 from services.common.errors import InvalidArgument, NotFound, require
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.common.structs import from_struct, to_struct
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
 from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
 
@@ -29,7 +30,7 @@ RETIRED_GRACE_S = 600.0
 
 def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
     conversations = [[{"role": m.role, "content": m.content} for m in e.messages] for e in request.episodes]
-    metadata = [json_format.MessageToDict(e.metadata) for e in request.episodes]
+    metadata = [from_struct(e.metadata) for e in request.episodes]
     return conversations, metadata
 
 
@@ -39,9 +40,7 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
         named_rewards=r.named_rewards, terminated=r.terminated, next_stop_strings=r.next_stop_strings or [],
         answer=r.answer or "", error=r.error)
     if r.metadata is not None:
-        meta = struct_pb2.Struct()
-        meta.update(r.metadata)
-        out.metadata.CopyFrom(meta)
+        out.metadata.CopyFrom(to_struct(r.metadata))
     return out
 
 

@@ -12,10 +12,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from google.protobuf import json_format, struct_pb2
-
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import in_daemon_thread
+from services.common.structs import from_struct, to_struct
 from services.rollout.engine import Engine, Sampling
 
 
@@ -41,16 +40,6 @@ class EpisodeState:
         self.token_ids += tokens
         self.generated_mask += [logprobs is not None] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
-
-
-def to_struct(d: dict) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    s.update(d)
-    return s
-
-
-def from_struct(s: struct_pb2.Struct) -> dict:
-    return json_format.MessageToDict(s)
 
 
 def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
