@@ -204,8 +204,18 @@ class PolicyConfig(Section):
     generation: GenerationConfig = GenerationConfig()
 
 
+class EnvironmentSampling(Section):
+    """Sampling for one environment's prompts; 0 or empty = the value in policy.generation."""
+
+    max_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(0.0, ge=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop_strings: list[str] = []
+
+
 class EnvironmentSpec(Section):
-    """One environment in the mix; gRPC clients submit the same shape at run time."""
+    """One environment in the mix; gRPC clients submit the same shape at run time (SubmitEnvironment)."""
 
     name: str = Field(min_length=1)
     kind: str = ""
@@ -216,6 +226,13 @@ class EnvironmentSpec(Section):
     """JSONL path in NeMo RL's message format; empty uses the built-in generator of `kind`."""
     weight: float = Field(1.0, ge=0)
     """Mixing weight among environments."""
+    max_turns: int = Field(0, ge=0)
+    """Most environment turns per episode; 0 = grpo.max_rollout_turns."""
+    reward_scale: float = Field(1.0, gt=0)
+    """Multiplier on this environment's reward."""
+    timeout_s: float = Field(0.0, ge=0)
+    """Deadline of one call to a remote environment; 0 = the environment service's default (10 s)."""
+    sampling: EnvironmentSampling = EnvironmentSampling()
 
     @model_validator(mode="after")
     def _kind_xor_address(self) -> EnvironmentSpec:

@@ -170,8 +170,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
 
 def spec_from_config(spec: EnvironmentSpec) -> controller_pb2.EnvironmentSpec:
-    return controller_pb2.EnvironmentSpec(name=spec.name, kind=spec.kind, address=spec.address,
-                                          jsonl_path=spec.dataset, weight=spec.weight)
+    """The config file's environment as the SubmitEnvironment message, so both go through one validation."""
+    return controller_pb2.EnvironmentSpec(
+        name=spec.name, kind=spec.kind, address=spec.address, jsonl_path=spec.dataset, weight=spec.weight,
+        max_turns=spec.max_turns, reward_scale=spec.reward_scale, timeout_seconds=spec.timeout_s,
+        sampling=types_pb2.SamplingParams(**spec.sampling.model_dump()))
 
 
 async def serve(cfg: FlywheelConfig) -> None:

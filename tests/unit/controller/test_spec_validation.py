@@ -44,3 +44,26 @@ def test_a_good_spec_passes():
 def test_a_bad_field_is_invalid_argument_naming_it(fields, message):
     with pytest.raises(InvalidArgument, match=message):
         validate(spec(**fields))
+
+
+def test_a_config_file_environment_carries_every_field_the_api_takes():
+    from services.common.config import FlywheelConfig
+    from services.controller.main import spec_from_config
+
+    cfg = FlywheelConfig.model_validate({"environments": [{
+        "name": "puzzle", "kind": "sliding_puzzle", "weight": 2.0, "max_turns": 6, "reward_scale": 0.5,
+        "sampling": {"max_new_tokens": 16, "temperature": 0.7, "stop_strings": ["</move>"]}}]})
+    out = spec_from_config(cfg.environments[0])
+    validate(out)
+    assert (out.name, out.kind, out.weight, out.max_turns, out.reward_scale) == ("puzzle", "sliding_puzzle", 2.0, 6, 0.5)
+    assert (out.sampling.max_new_tokens, out.sampling.top_p, list(out.sampling.stop_strings)) == (16, 0.0, ["</move>"])
+    assert out.sampling.temperature == pytest.approx(0.7)
+
+
+def test_a_config_file_environment_rejects_a_zero_reward_scale():
+    from pydantic import ValidationError
+
+    from services.common.config import FlywheelConfig
+
+    with pytest.raises(ValidationError, match="reward_scale"):
+        FlywheelConfig.model_validate({"environments": [{"name": "t", "kind": "toy_copy", "reward_scale": 0}]})
