@@ -129,9 +129,12 @@ class NixlBackend(Backend):
     def wait(self, seconds: float) -> None:
         # The target of a READ must make progress too: over TCP UCX serves the data through its worker, and on
         # every transport the completion handshake needs it (a READ stays in PROC otherwise, data landed or not).
+        if self._agent is None:  # send failed before it started the agent: nobody is reading
+            time.sleep(seconds)
+            return
         end = time.monotonic() + seconds
         while True:
-            self.agent.get_new_notifs()
+            self._agent.get_new_notifs()
             if time.monotonic() >= end:
                 return
             time.sleep(PROGRESS_S)
