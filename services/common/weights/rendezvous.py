@@ -174,15 +174,15 @@ def wait_key(store: Store, key: str, deadline: Deadline, what: str) -> bytes:
     Raises RuntimeError at once if the sender marked the epoch failed (`abort` key), rather than waiting out
     the deadline for a key that will never come.
     """
-    for sleep in poll_intervals():
+    sleeps = poll_intervals()
+    while True:
         if store.check([key]):
             return store.get(key)
         if store.check([ABORT_KEY]):
             raise RuntimeError(f"sender aborted the epoch: {store.get(ABORT_KEY).decode()}")
         if deadline.expired:
             raise TimeoutError(f"timed out waiting for {what} (store key {key!r})")
-        time.sleep(sleep)
-    raise AssertionError("unreachable")
+        time.sleep(next(sleeps))
 
 
 def publish_to_store(store: Store, ann: Announcement) -> None:
