@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 from services.common.weights import WeightSender
-from weights_harness import make_state, outcomes, spawn
+from weights_harness import make_state, outcomes, signal_once_joined, spawn
 
 NO_NIXL = importlib.util.find_spec("nixl") is None
 BACKENDS = ["gloo", pytest.param("nixl", marks=pytest.mark.skipif(NO_NIXL, reason="no nixl")), "filesystem"]
@@ -55,23 +55,13 @@ def test_membership_shrinks_and_grows_across_epochs(sender):
 
 @pytest.mark.skipif(NO_NIXL, reason="no nixl")
 def test_nixl_receiver_killed_mid_read_is_dropped_within_deadline():
-    import os
     import signal
-    import threading
     import time
 
     sender = WeightSender(backend="nixl", bucket_bytes=4096)
     healthy = spawn(sender.store_address, "w0", backend="nixl")
     slow = spawn(sender.store_address, "w1", backend="nixl", sleep_per_bucket=1.0)
-
-    def kill_when_joined():
-        limit = time.monotonic() + 10
-        while not sender.store.check(["epoch/1/v1/joined/w1"]) and time.monotonic() < limit:
-            time.sleep(0.01)
-        time.sleep(0.5)  # it is unpacking, about 1 s per bucket
-        os.kill(slow.pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_when_joined, daemon=True).start()
+    signal_once_joined(sender, "w1", slow, signal.SIGKILL, after_s=0.5)  # it is unpacking, ~1 s per bucket
     start = time.monotonic()
     result = sender.sync(1, ["w0", "w1"], make_state(1), timeout_s=6)
     assert time.monotonic() - start < 6 + 5.0

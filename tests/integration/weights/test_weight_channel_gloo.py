@@ -6,15 +6,13 @@ Receivers are real subprocesses (`weights_harness.py`) that learn of each epoch 
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 import time
 
 import pytest
 
 from services.common.weights import Announcement, ManifestMismatch, WeightReceiver, WeightSender
-from weights_harness import make_state, outcomes, spawn
+from weights_harness import make_state, outcomes, signal_once_joined, spawn
 
 BUCKET = 4096  # small buckets: many of them, so double buffering and mid-sync failures are exercised
 SLACK_S = 5.0  # generous: the machine is shared; asserts only say "did not hang"
@@ -36,14 +34,8 @@ def test_receiver_killed_mid_sync_is_dropped_and_sync_returns_within_deadline(se
     slow = spawn(sender.store_address, "w1", sleep_per_bucket=1.0)
     timeout_s = 10.0
 
-    def kill_when_joined():
-        limit = time.monotonic() + 10
-        while not sender.store.check(["epoch/1/v1/joined/w1"]) and time.monotonic() < limit:
-            time.sleep(0.01)
-        time.sleep(0.5)  # inside the transfer: the slow receiver needs about 1 s per bucket
-        os.kill(slow.pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_when_joined, daemon=True).start()
+    # 0.5 s in, it is inside the transfer: the slow receiver needs about 1 s per bucket.
+    signal_once_joined(sender, "w1", slow, signal.SIGKILL, after_s=0.5)
     start = time.monotonic()
     result = sender.sync(1, ["w0", "w1"], make_state(1), timeout_s=timeout_s)
     assert time.monotonic() - start < timeout_s + SLACK_S
@@ -57,14 +49,7 @@ def test_stalled_receiver_is_dropped_without_hanging_the_sender(sender):
     stalled = spawn(sender.store_address, "w1", sleep_per_bucket=1.0)
     timeout_s = 8.0
 
-    def stop_when_joined():
-        limit = time.monotonic() + 10
-        while not sender.store.check(["epoch/1/v1/joined/w1"]) and time.monotonic() < limit:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        os.kill(stalled.pid, signal.SIGSTOP)  # alive, sockets open, never reads again
-
-    threading.Thread(target=stop_when_joined, daemon=True).start()
+    signal_once_joined(sender, "w1", stalled, signal.SIGSTOP, after_s=0.3)  # alive, sockets open, never reads
     try:
         start = time.monotonic()
         result = sender.sync(1, ["w0", "w1"], make_state(1), timeout_s=timeout_s)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def spawn(store_address: str, worker_id: str, *, backend: str = "gloo", versions
             return proc
     proc.kill()
     raise AssertionError(f"receiver did not start: {proc.stderr.read()[-2000:]}")
+
+
+def signal_once_joined(sender, worker_id: str, proc: subprocess.Popen, sig: int, *, after_s: float) -> None:
+    """On a daemon thread: wait until `worker_id` joined the first round (epoch 1, version 1), let `after_s`
+    pass (so the transfer is under way), then send `sig` to `proc`."""
+
+    def run() -> None:
+        limit = time.monotonic() + 10
+        while not sender.store.check([f"epoch/1/v1/joined/{worker_id}"]) and time.monotonic() < limit:
+            time.sleep(0.01)
+        time.sleep(after_s)
+        os.kill(proc.pid, sig)
+
+    threading.Thread(target=run, daemon=True).start()
 
 
 def outcomes(proc: subprocess.Popen, timeout: float = 20.0) -> list[dict]:
