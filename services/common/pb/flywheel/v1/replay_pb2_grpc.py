@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class ReplayServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every rpc needs the run token (metadata "flywheel-run-token") where the run has one
+    (docs/security.md); without it: UNAUTHENTICATED. Replay knows the trainer's progress from its
+    StepReports (step, checkpoint_step): the frontier is the highest step the trainer is known to
+    have reached (reported, committed, or with a recorded batch).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,12 +56,18 @@ class ReplayServiceStub:
 
 
 class ReplayServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every rpc needs the run token (metadata "flywheel-run-token") where the run has one
+    (docs/security.md); without it: UNAUTHENTICATED. Replay knows the trainer's progress from its
+    StepReports (step, checkpoint_step): the frontier is the highest step the trainer is known to
+    have reached (reported, committed, or with a recorded batch).
+    """
 
     def Sample(self, request, context):
         """The batch for a step. The first answer that is ready is recorded under the step, and
         the same step always gets the same groups afterwards (a restarted trainer included).
         Never returns a partial batch: ready=false with `missing` instead.
+        FAILED_PRECONDITION, nothing changed: a new step past the frontier + 1, or prompts_per_step /
+        max_staleness other than the run's grpo config. INVALID_ARGUMENT: a step at or below the committed one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +82,9 @@ class ReplayServiceServicer:
 
     def Commit(self, request, context):
         """A checkpoint at `step` is committed: choices and groups of steps <= step may be deleted.
+        Accepted only for step >= the committed step (equal: a no-op), <= the frontier, and <= the last
+        StepReport.checkpoint_step; otherwise FAILED_PRECONDITION and nothing is deleted. Replay waits up
+        to 5 s for a step report that trails the Commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +117,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ReplayService:
-    """Missing associated documentation comment in .proto file."""
+    """Every rpc needs the run token (metadata "flywheel-run-token") where the run has one
+    (docs/security.md); without it: UNAUTHENTICATED. Replay knows the trainer's progress from its
+    StepReports (step, checkpoint_step): the frontier is the highest step the trainer is known to
+    have reached (reported, committed, or with a recorded batch).
+    """
 
     @staticmethod
     def Sample(request,

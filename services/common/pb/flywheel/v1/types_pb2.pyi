@@ -97,7 +97,7 @@ class Completion(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "env_name", "target_step", "prompt_token_ids", "completions", "version_start", "generation_seconds", "environment_seconds", "worker_id", "leased_at_unix_ns", "finished_at_unix_ns")
+    __slots__ = ("group_id", "prompt_id", "env_name", "target_step", "prompt_token_ids", "completions", "version_start", "generation_seconds", "environment_seconds", "worker_id", "leased_at_unix_ns", "finished_at_unix_ns", "traceparent")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class TrajectoryGroup(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_id: str
     env_name: str
@@ -122,7 +123,8 @@ class TrajectoryGroup(_message.Message):
     worker_id: str
     leased_at_unix_ns: int
     finished_at_unix_ns: int
-    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., target_step: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., version_start: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., worker_id: _Optional[str] = ..., leased_at_unix_ns: _Optional[int] = ..., finished_at_unix_ns: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., target_step: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., version_start: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., worker_id: _Optional[str] = ..., leased_at_unix_ns: _Optional[int] = ..., finished_at_unix_ns: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class WeightAnnouncement(_message.Message):
     __slots__ = ("version", "epoch", "manifest_digest", "store_address", "backend", "members", "path")
@@ -165,7 +167,7 @@ class RolloutHeartbeat(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., loaded_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "metrics", "final")
+    __slots__ = ("step", "metrics", "final", "checkpoint_step")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,10 +178,12 @@ class StepReport(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     metrics: _containers.ScalarMap[str, float]
     final: bool
-    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., final: _Optional[bool] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., final: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class StaleGroups(_message.Message):
     __slots__ = ("group_ids",)
