@@ -6,26 +6,36 @@ Streams per run (names derive from the run id, so runs share a server safely):
   worker's groups come back).
 - TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write).
 - STATE: last-value subjects (weight announcements), so a late joiner reads the latest.
+- EVENTS: events that must not be lost while their consumer is down (StaleGroups, replay ->
+  controller, for stale and for dynamic-sampling-filtered groups): work-queue retention, one durable
+  consumer per subject that acks after handling (`consume`).
 Heartbeats, confirmations and step reports are plain core-NATS events.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
+from services.common.config import SecurityConfig
+from services.common.logs import RateLimitedLog
 from services.common.telemetry import inject_headers
 
 # nats-py waits up to 30 s by default; a service must stop within 5 s of SIGTERM, and on
 # loopback a second is ample to flush what is pending (unacked work is redelivered anyway).
 DRAIN_TIMEOUT_S = 1
+EVENT_ACK_WAIT_S = 10.0
+_warn = RateLimitedLog(logging.getLogger("flywheel.bus"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +77,36 @@ class Subjects:
         return f"flywheel.{self._token}.replay.stale"
 
     @property
+    def filtered(self) -> str:
+        """Replay -> controller: groups dropped by dynamic sampling (zero reward variance); lease new prompts."""
+        return f"flywheel.{self._token}.replay.filtered"
+
+    @property
     def dead_letter(self) -> str:
         return f"flywheel.{self._token}.deadletter"
 
     def stream(self, kind: str) -> str:
         return f"FLYWHEEL_{self._token}_{kind}".upper().replace("-", "_")
+
+
+def nats_credentials(security: SecurityConfig) -> dict[str, str]:
+    """nats.connect keyword arguments: user and password, or a token; none when unset."""
+    out = {}
+    if security.nats_user:
+        out |= {"user": security.nats_user, "password": security.nats_password.get_secret_value()}
+    if security.nats_token.get_secret_value():
+        out["token"] = security.nats_token.get_secret_value()
+    return out
+
+
+async def _on_error(err: Exception) -> None:
+    """nats-py's handler of asynchronous errors, those of subscription callbacks included. A message that does
+    not decode is a stray or corrupt publisher's: a rate-limited warning, not a traceback per message. Anything
+    else is logged as nats-py's default handler does."""
+    if isinstance(err, DecodeError):
+        _warn.warning("undecodable", "ignored an undecodable message: %s", err)
+    else:
+        logging.getLogger("nats.aio.client").error("nats: encountered error", exc_info=err)
 
 
 class Bus:
@@ -83,9 +118,12 @@ class Bus:
         self.subjects = Subjects(run)
 
     @classmethod
-    async def connect(cls, url: str, run: str, *, name: str = "flywheel") -> Bus:
+    async def connect(cls, url: str, run: str, *, name: str = "flywheel",
+                      security: SecurityConfig | None = None) -> Bus:
+        """Connect with the NATS credentials of `security` (default: those in the environment, SECRET_ENV)."""
         nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                drain_timeout=DRAIN_TIMEOUT_S)
+                                drain_timeout=DRAIN_TIMEOUT_S, error_cb=_on_error,
+                                **nats_credentials(security or SecurityConfig()))
         bus = cls(nc, run)
         await bus.ensure_streams()
         return bus
@@ -98,6 +136,8 @@ class Bus:
                                         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
         await self._ensure(StreamConfig(name=s.stream("state"), subjects=[s.weights_announce, s.dead_letter],
                                         max_msgs_per_subject=1, storage=StorageType.FILE))
+        await self._ensure(StreamConfig(name=s.stream("events"), subjects=[s.stale, s.filtered],
+                                        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
 
     async def _ensure(self, config: StreamConfig) -> None:
         try:
@@ -113,6 +153,22 @@ class Bus:
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
         await self.js.publish(subject, msg.SerializeToString(), headers=headers or None)
+
+    async def consume(self, subject: str, durable: str, handler: Callable[[Msg], Awaitable[None]]):
+        """Durable consumer of an EVENTS subject: `handler(msg)`, then ack. A message whose handler raises, or
+        that arrives while nobody consumes, waits in the stream and is delivered again (after EVENT_ACK_WAIT_S);
+        one that does not decode (the handler raises DecodeError) is dropped, since no redelivery can help."""
+        async def handle(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except DecodeError as err:
+                _warn.warning(durable, "dropped an undecodable message on %s: %s", subject, err)
+                await msg.term()
+                return
+            await msg.ack()
+
+        return await self.js.subscribe(subject, durable=durable, stream=self.subjects.stream("events"), cb=handle,
+                                       manual_ack=True, config=ConsumerConfig(ack_wait=EVENT_ACK_WAIT_S))
 
     async def emit(self, subject: str, msg: Message) -> None:
         """Fire-and-forget core NATS event."""

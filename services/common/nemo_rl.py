@@ -1,0 +1,243 @@
+"""NeMo RL's config keys -> Flywheel's schema: what moves, what is accepted without effect, what is refused.
+
+    composed tree ──moves (grpo.seed -> run.seed, ...)──▶ rules for keys the schema lacks ──▶ schema validation
+
+A key the Flywheel schema has passes through unchanged (same name, same meaning). A NeMo RL key
+it lacks is looked up in RULES: each rule accepts the key only at values that describe what
+Flywheel does anyway (a feature switched off, a size of 1, a value equal to another key), and
+then records a note saying why it has no effect; at any other value the key is refused with
+the rule's reason. A key with no rule is unknown. So nothing is dropped silently: a note for
+each accepted key (`flywheel config check` prints them), an error for each refused one.
+docs/nemo_rl_mapping.md is the same table in prose.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from services.common.config_loader import Problem
+
+_MISSING = object()
+
+
+def get(tree: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    pattern: str
+    """Dotted key; `*` matches one level."""
+    accept: Callable[[Any, dict], bool]
+    """(value, whole tree) -> whether the value asks for nothing Flywheel does differently."""
+    why: str
+
+
+def _is(expected: Any) -> Callable[[Any, dict], bool]:
+    return lambda v, _: v == expected
+
+
+def _off(v: Any, _: dict) -> bool:
+    return not v or (isinstance(v, dict) and not v.get("enabled", False))
+
+
+def _any(v: Any, _: dict) -> bool:
+    return True
+
+
+def _same_as(other: str) -> Callable[[Any, dict], bool]:
+    return lambda v, tree: v == get(tree, other)
+
+
+def _when(other: str, expected: Any) -> Callable[[Any, dict], bool]:
+    return lambda v, tree: get(tree, other, expected) == expected
+
+
+def _grpo_estimator(v: Any, tree: dict) -> bool:
+    return (isinstance(v, dict) and v.get("name", "grpo") == "grpo"
+            and v.get("normalize_rewards", get(tree, "grpo.normalize_rewards")) == get(tree, "grpo.normalize_rewards")
+            and v.get("use_leave_one_out_baseline", get(tree, "grpo.use_leave_one_out_baseline"))
+            == get(tree, "grpo.use_leave_one_out_baseline"))
+
+
+def _dtensor(v: Any, _: dict) -> bool:
+    v = v if isinstance(v, dict) else {}
+    return (v.get("enabled", True) and v.get("tensor_parallel_size", 1) == 1 and v.get("context_parallel_size", 1) == 1
+            and not v.get("sequence_parallel") and not v.get("cpu_offload") and v.get("custom_parallel_plan") is None
+            and not (v.get("lora_cfg") or {}).get("enabled") and not v.get("automodel_kwargs"))
+
+
+PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
+VLLM_ONLY = "Flywheel's vLLM engine"
+RULES: tuple[Rule, ...] = (
+    Rule("grpo.adv_estimator", _grpo_estimator, "only the GRPO estimator is built; it reads grpo.normalize_rewards "
+         "and grpo.use_leave_one_out_baseline (gdpo, reinforce_plus_plus, opd, gae are not)"),
+    Rule("grpo.batch_multiplier", _is(1), "generating more prompts than num_prompts_per_step per step is not built"),
+    Rule("grpo.reward_scaling", _off, "reward scaling is not built (environments take reward_scale)"),
+    Rule("grpo.reward_shaping.stop_properly_penalty_coef", _is(None), "the stop-properly penalty is not built"),
+    Rule("grpo.seq_logprob_error_threshold", _is(None), "masking by sequence logprob error is not built"),
+    Rule("grpo.invalid_tool_call_advantage", _is(None), "tool-call advantage overrides are not built"),
+    Rule("grpo.malformed_thinking_advantage", _is(None), "thinking-tag advantage overrides are not built"),
+    Rule("grpo.val_batch_size", _any, "validation prompts go to rollout one request each; the engine batches"),
+    Rule("grpo.async_grpo.max_generation_failures", _is(0),
+         "a failed generation is redelivered by the work queue (after ack_wait), never dropped"),
+    Rule("reward_penalties", lambda v, _: not any((v or {}).values()), "NeMo-Gym reward penalties are not built"),
+    Rule("loss_fn.use_kl_in_reward", _is(False), "KL in the reward (Reinforce++) is not built"),
+    Rule("loss_fn.use_cispo", _is(False), "CISPO is not built"),
+    Rule("loss_fn.positive_example_nll_weight", _is(0.0), "the VAPO NLL term is not built"),
+    Rule("checkpointing.checkpoint_must_save_by", _is(None), "time-based checkpointing is not built"),
+    Rule("checkpointing.model_save_format", lambda v, _: v in ("safetensors", None),
+         "checkpoints are DCP shards; `flywheel export` writes safetensors"),
+    Rule("checkpointing.save_consolidated", _is(False), "`flywheel export` consolidates a checkpoint"),
+    Rule("checkpointing.save_optimizer", _is(True), "the optimizer state is always saved"),
+    Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
+    Rule("policy.hf_config_overrides", _is({}), "model config overrides are not built"),
+    Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
+    Rule("policy.logprob_chunk_size", _is(None), "chunked logprobs are not built"),
+    Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
+    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) with TP = CP = 1, no CPU offload, no LoRA"),
+    Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
+         "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
+    Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
+    Rule("policy.sequence_packing.*", _any, "packing order and rounding change speed, not the loss"),
+    Rule("policy.dynamic_batching.sequence_length_round", _any, "rounding changes speed, not the loss"),
+    Rule("policy.make_sequence_length_divisible_by", _is(1), "padding for tensor parallelism; TP is 1"),
+    Rule("policy.generation.port_range_low", _any, PLACEMENT),
+    Rule("policy.generation.port_range_high", _any, PLACEMENT),
+    Rule("policy.generation.val_temperature", _same_as("policy.generation.temperature"),
+         "validation samples with the training temperature"),
+    Rule("policy.generation.val_top_p", _same_as("policy.generation.top_p"), "validation samples with the training top_p"),
+    Rule("policy.generation.val_top_k", _same_as("policy.generation.top_k"), "validation samples with the training top_k"),
+    Rule("policy.generation.stop_token_ids", _is(None), "generation stops at the tokenizer's EOS (and stop_strings)"),
+    Rule("policy.generation.refit_transport", _is(None), "the weight transport is weight_sync.backend"),
+    Rule("policy.generation.real_quant_export_cpu_offload", _any, "quantized export is not built"),
+    Rule("policy.generation.refit_cfg", _when("policy.generation.refit_transport", None),
+         "the weight transport is weight_sync.backend"),
+    Rule("policy.generation.mcore_generation_config", lambda v, t: get(t, "policy.generation.backend") != "megatron",
+         "Megatron generation is not built"),
+    Rule("policy.generation.vllm_kwargs", _is({}), "extra vLLM engine arguments are not passed through"),
+    Rule("policy.generation.colocated.enabled", _is(False), "colocated generation is not built: rollout is its own "
+         "service on its own devices (NeMo RL's non-colocated mode); set policy.generation.colocated.enabled=false"),
+    Rule("policy.generation.colocated.resources", _any, PLACEMENT),
+    Rule("policy.generation.vllm_cfg.async_engine", _any, f"{VLLM_ONLY} serves each rollout worker's requests"),
+    Rule("policy.generation.vllm_cfg.precision", _same_as("policy.precision"), "vLLM runs at policy.precision"),
+    Rule("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto"), "the KV cache takes the model's dtype"),
+    Rule("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs"),
+         f"{VLLM_ONLY} returns processed logprobs (after temperature), as NeMo RL's default"),
+    Rule("policy.generation.vllm_cfg.tensor_parallel_size", _is(1), "vLLM tensor parallelism is not wired"),
+    Rule("policy.generation.vllm_cfg.pipeline_parallel_size", _is(1), "vLLM pipeline parallelism is not wired"),
+    Rule("policy.generation.vllm_cfg.expert_parallel_size", _is(1), "vLLM expert parallelism is not wired"),
+    Rule("policy.generation.vllm_cfg.max_model_len", _same_as("policy.max_total_sequence_length"),
+         "vLLM's context is policy.max_total_sequence_length"),
+    Rule("policy.generation.vllm_cfg.use_tqdm", _any, "progress bars only"),
+    Rule("policy.generation.vllm_cfg.use_deep_gemm", _is(False), "DeepGEMM is not wired"),
+    Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", _is(0), "mixed-precision layers are not wired"),
+    Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", _is(0), "mixed-precision layers are not wired"),
+    Rule("policy.generation.vllm_cfg.enable_vllm_metrics_logger", _any, "rollout serves Prometheus /metrics instead"),
+    Rule("policy.generation.vllm_cfg.vllm_metrics_logger_interval", _any, "rollout serves Prometheus /metrics instead"),
+    Rule("policy.generation.vllm_cfg.http_refit_api_key_env_var", _is(None), "HTTP refit is not built"),
+    Rule("policy.generation.vllm_cfg.http_refit_server_port", _is(None), "HTTP refit is not built"),
+    Rule("policy.generation.vllm_cfg.zmq_refit_server_port", _is(None), "ZMQ refit is not built"),
+    Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", _is(False), "multimodal is not built"),
+    Rule("data.num_workers", _any, "the controller reads rows itself; no loader workers"),
+    Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),
+    Rule("data.max_input_seq_length", _same_as("policy.max_total_sequence_length"),
+         "prompts are bounded by policy.max_total_sequence_length (rollout truncates there)"),
+    Rule("env.math.math_verify_impl", _is("hf_math_verify"), "the math environment verifies with math_verify"),
+    Rule("logger.tensorboard_enabled", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
+    Rule("logger.tensorboard", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
+    Rule("logger.monitor_gpus", _any, "GPU use is on each service's Prometheus /metrics"),
+    Rule("logger.gpu_monitoring", _any, "GPU use is on each service's Prometheus /metrics"),
+    Rule("logger.swanlab_enabled", _is(False), "SwanLab is not wired"),
+    Rule("logger.swanlab", _when("logger.swanlab_enabled", False), "SwanLab is not wired"),
+    Rule("logger.wandb.log_nemo_gym_full_result_tables", _is(False), "NeMo-Gym tables are not built"),
+    Rule("cluster", _any, PLACEMENT),
+    Rule("data_plane", _off, "the TransferQueue data plane is not built; replay is the data plane"),
+    Rule("on_policy_distillation", _is(None), "on-policy distillation is not built"),
+)
+
+MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing"}
+"""NeMo RL key -> the Flywheel key with the same meaning."""
+
+
+def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem], list[Problem]]:
+    """(tree in Flywheel's schema, problems, notes). `tree` is a resolved plain dict; it is not changed."""
+    out = copy.deepcopy(tree)
+    problems: list[Problem] = []
+    notes: list[Problem] = []
+    for src, dst in MOVES.items():
+        _move(out, src, dst, problems)
+    if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
+        out["policy"]["generation"]["stop_strings"] = []
+    _walk(out, copy.deepcopy(out), "", schema, problems, notes)  # rules read the tree as written
+    return out, problems, notes
+
+
+def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:
+    value = get(tree, src, _MISSING)
+    if value is _MISSING:
+        return
+    *parents, leaf = src.split(".")
+    del get(tree, ".".join(parents))[leaf]
+    current = get(tree, dst, _MISSING)
+    if current is not _MISSING and current != value:
+        problems.append((src, f"means {dst}, which is set to {current!r}; set one of them"))
+        return
+    node = tree
+    *parents, leaf = dst.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _walk(node: dict, root: dict, prefix: str, model: type[BaseModel] | None, problems, notes) -> None:
+    for key in list(node):
+        dotted = f"{prefix}{key}"
+        field = model.model_fields.get(key) if model is not None else None
+        if field is not None:
+            sub = _section(field.annotation)
+            if sub is not None and isinstance(node[key], dict):
+                _walk(node[key], root, f"{dotted}.", sub, problems, notes)
+            continue
+        rule = next((r for r in RULES if fnmatch.fnmatchcase(dotted, r.pattern.replace("*", "[!.]*"))), None)
+        if rule is None:
+            if isinstance(node[key], dict) and any(r.pattern.startswith(f"{dotted}.") for r in RULES):
+                _walk(node[key], root, f"{dotted}.", None, problems, notes)
+                if not node[key]:
+                    del node[key]  # every key below was a rule's
+            continue  # else the schema names it unknown, with the others
+        value = node.pop(key)
+        if rule.accept(value, root):
+            where = rule.pattern if "*" in rule.pattern else dotted  # one note per wildcard rule, not per key
+            if all(noted != where for noted, _ in notes):
+                notes.append((where, f"accepted, no effect: {rule.why}"))
+        else:
+            problems.append((dotted, f"Flywheel cannot honour {_short(value)}: {rule.why}"))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The Section model inside `annotation` (X, X | None), or None for leaves, lists and dicts."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else None
+    return None

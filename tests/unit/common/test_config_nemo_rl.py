@@ -1,0 +1,75 @@
+"""NeMo RL's own grpo_math_1B.yaml (and grpo_math_8B.yaml, which inherits it) load with the few
+edits docs/nemo_rl_mapping.md lists; each edit is needed, and nothing else is."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, load, load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = ROOT / "tests/fixtures/nemo_rl/examples/configs"
+EDITS = ["policy.generation.colocated.enabled=false"]
+"""The documented differences (docs/nemo_rl_mapping.md, "Edits a NeMo RL config needs")."""
+
+
+def _documented_edits() -> list[str]:
+    doc = (ROOT / "docs/nemo_rl_mapping.md").read_text()
+    section = doc.split("## Edits a NeMo RL config needs", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\d+\. `([^`]+)`", section, flags=re.M)
+
+
+def test_grpo_math_1b_loads_with_at_most_five_documented_edits():
+    assert len(EDITS) <= 5 and _documented_edits() == EDITS
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", EDITS)
+    assert cfg.policy.model_name == "Qwen/Qwen2.5-1.5B" and cfg.grpo.num_prompts_per_step == 32
+    assert cfg.grpo.max_staleness == 0  # async_grpo.enabled: false is synchronous GRPO, as in NeMo RL
+    assert (cfg.grpo.max_num_epochs, cfg.grpo.val_period, cfg.grpo.max_val_samples) == (1, 10, 256)
+    assert cfg.data.train.dataset_name == "OpenMathInstruct-2" and cfg.data.train.env_name == "math"
+    assert cfg.data.train.prompt_file == "examples/prompts/cot.txt" and cfg.environments == []
+    assert cfg.grpo.reward_shaping.max_response_length == 512  # ${policy.max_total_sequence_length}
+    assert cfg.run.seed == 42 and cfg.env.math.num_workers == 8
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_each_edit_is_needed_and_its_key_is_named(edit):
+    key = edit.split("=")[0].lstrip("+")
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "grpo_math_1B.yaml", [e for e in EDITS if e != edit])
+    assert [line for line in str(err.value).splitlines()] == [
+        line for line in str(err.value).splitlines() if f": {key}: " in line] != []
+
+
+def test_the_8b_config_inherits_the_1b_through_defaults():
+    cfg = load_config(CONFIGS / "grpo_math_8B.yaml", EDITS)
+    assert cfg.grpo.num_prompts_per_step == 64 and cfg.policy.model_name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert cfg.policy.generation.max_new_tokens == 4096  # the parent's ${policy.max_total_sequence_length}, child's value
+    assert cfg.data.train.dataset_name == "OpenMathInstruct-2"  # only in the parent
+
+
+def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
+    _, notes = load(CONFIGS / "grpo_math_1B.yaml", EDITS)
+    keys = {key for key, _ in notes}
+    assert {"cluster", "grpo.adv_estimator", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
+    assert all(why.startswith("accepted, no effect: ") for _, why in notes)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
+    ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator"),
+    ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg"),
+    ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
+    ("loss_fn.use_cispo=true", "loss_fn.use_cispo"),
+])
+def test_a_nemo_rl_key_flywheel_cannot_honour_is_refused_with_its_reason(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, override])
+    lines = [line for line in str(err.value).splitlines() if f": {key}: " in line]
+    assert len(lines) == 1 and ("cannot honour" in lines[0] or "not built" in lines[0]), str(err.value)
+
+
+def test_async_grpo_enabled_takes_max_trajectory_age_steps_as_k():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.async_grpo.enabled=true",
+                                                      "grpo.async_grpo.max_trajectory_age_steps=2"])
+    assert cfg.grpo.max_staleness == 2
