@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from services.common.config import GRPOConfig
+from services.trainer.algorithms import compute_advantages, overlong_reward_penalty
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainBatch:
@@ -78,3 +81,19 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> Tra
                       generation_logprobs=lp[:, 1:], rewards=torch.tensor(rewards, dtype=torch.float32),
                       sample_mask=sample_mask, prompt_ids=prompt_ids, version_start=torch.tensor(versions),
                       env_names=envs, truncated=trunc)
+
+
+def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
+    """GRPO advantages of a step's batch, as NeMo RL computes them.
+
+    Every generated sample counts for its group's baseline and std, truncated ones included
+    (NeMo RL's GRPOAdvantageEstimator passes valid_mask = ones). Overlong filtering acts only
+    on the loss, through `sample_mask`, so it never changes the advantages of the samples kept.
+    """
+    rewards = b.rewards
+    if g.reward_shaping.enabled:  # DAPO overlong penalty on the generated length
+        rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), g.reward_shaping)
+    return compute_advantages(
+        rewards, b.prompt_ids, torch.ones_like(rewards, dtype=torch.bool),
+        use_leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards,
+        advantage_clip_low=g.advantage_clip_low, advantage_clip_high=g.advantage_clip_high)

@@ -1,12 +1,20 @@
 """The trainer loop: for each step s, Sample(s) from replay, one GRPO step, publish weights s + 1.
 
-    replay ──Sample(s)──▶ advantages ─▶ clipped PG loss ─▶ optimizer step ─▶ WeightSender.sync(s + 1) ─▶ rollout
-                                                                           └▶ StepReport (NATS) + metrics.jsonl
+    replay ──Sample(s)──▶ advantages ─▶ all ranks: clipped PG loss, optimizer step(s) ─▶ WeightSender.sync(s + 1)
+                                                                                         ├▶ checkpoint (every save_period)
+                                                                                         └▶ StepReport (NATS) + metrics.jsonl
+                                                                                            then replay Commit(s)
 
-Version 0 (the initial weights) is pushed before the first step, so rollout never samples
-from weights the trainer does not have. Sync membership is the set of rollout workers whose
-heartbeat is recent; a worker that misses a sync is dropped from it and joins the next.
-Only rank 0 talks to the network; other data-parallel ranks get the batch by broadcast.
+Version 0 (the initial weights, or the checkpoint's) is pushed before the first step, so
+rollout never samples from weights the trainer does not have. Sync membership is the set
+of rollout workers whose heartbeat is recent; a worker that misses a sync is dropped and
+joins the next. A worker that joins (or restarts) while the trainer waits for a batch gets
+the current version at once, since that batch may need its groups. Only rank 0 talks to the
+network; the other ranks follow it (distributed.py).
+
+Delivery and restarts: replay records the batch of each step, so a trainer that restarts
+from its latest checkpoint (step_N) runs step N again on the very same batch. The report
+of a checkpointed step names it (checkpoint_step) before Commit frees those batches.
 """
 
 from __future__ import annotations
@@ -14,22 +22,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
+import sys
 import time
+import zlib
 from pathlib import Path
 
+import grpc
+import nats.errors
 import torch
 import torch.distributed as dist
 from prometheus_client import Gauge
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig
+from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
-from services.common.server import channel, in_daemon_thread, run_service
-from services.common.telemetry import setup_telemetry
+from services.common.server import RETRIED, RPC_ERRORS, channel, in_daemon_thread, retrying, run_service
+from services.common.telemetry import setup_telemetry, start_step_span
 from services.common.weights import WeightSender
-from services.trainer.algorithms import compute_advantages, overlong_reward_penalty
-from services.trainer.batch import TrainBatch, build_batch
-from services.trainer.fsdp2 import FSDP2Policy
+from services.trainer.backends import make_backend
+from services.trainer.batch import TrainBatch, batch_advantages, build_batch
+from services.trainer.checkpoint import Checkpointer
+from services.trainer.distributed import Lockstep, RankInfo, init_distributed, launch_ranks, rank_from_env
 from services.trainer.step_metrics import step_metrics
 
 log = logging.getLogger("flywheel.trainer")
@@ -37,107 +53,240 @@ STEP_METRIC = Gauge("flywheel_trainer_step_metric", "Last value of each per-step
                     "fraction, IS ratio, timings)", ["name"])
 LIVE_S = 5.0
 POLL_S = 0.01
+COMMIT_TRIES = 5
+
+
+class RankWork:
+    """What every rank does in lockstep: the backend's collectives and checkpoint IO."""
+
+    def __init__(self, cfg: FlywheelConfig, info: RankInfo) -> None:
+        self.backend = make_backend(cfg, info)
+        self.checkpointer = Checkpointer(cfg, info.rank, info.world)
+
+    def train(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
+        return self.backend.train_step(batch, advantages)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.backend.full_state_dict()
+
+    def save(self, version: int, metrics: dict[str, float]) -> None:
+        self.checkpointer.save(self.backend, version, metrics)
+
+    def restore(self, path: str) -> int:
+        return self.checkpointer.restore(self.backend, Path(path))
 
 
 class Trainer:
-    def __init__(self, cfg: FlywheelConfig, policy: FSDP2Policy, bus: Bus, sender: WeightSender) -> None:
+    def __init__(self, cfg: FlywheelConfig, ranks: Lockstep, bus: Bus, sender: WeightSender) -> None:
         self.cfg = cfg
-        self.policy = policy
+        self.ranks = ranks
+        self.work: RankWork = ranks.target
         self.bus = bus
         self.sender = sender
-        self.replay = replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay))
-        self.workers: dict[str, float] = {}
+        self.replay = replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security))
+        self.workers: dict[str, tuple[float, int]] = {}
+        """Rollout worker -> (monotonic time of its last heartbeat, the version it reported loaded)."""
+        self.delivered: dict[str, int] = {}
+        """Rollout worker -> the version a sync last confirmed to it (its heartbeat may lag behind)."""
+        self.synced_at = 0.0
+        """Monotonic time the last sync ended."""
         self.version = 0
         self.last_sync = None
+        self.synced_at_ns = 0
+        """Wall clock (unix ns) when the last sync ended: where a k = 0 step's lease delay starts."""
+        self.sync_phases: dict[str, float] = {}
+        self.sample_returned_ns = 0
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
+        self.batches_path = Path(cfg.run.run_dir or ".") / "batches.jsonl"
+        """One row per step: the groups it trained on (id, target step, version_start); the run's audit trail."""
 
     def members(self) -> list[str]:
         now = time.monotonic()
-        return sorted(w for w, seen in self.workers.items() if now - seen < LIVE_S)
+        return sorted(w for w, (seen, _) in self.workers.items() if now - seen < LIVE_S)
+
+    def behind(self) -> list[str]:
+        """Live workers without the current version: joined or restarted since the last sync. Only a heartbeat
+        received after that sync ended counts (an earlier one may predate a load the sync just made)."""
+        return [w for w in self.members() if self.workers[w][0] > self.synced_at
+                and max(self.workers[w][1], self.delivered.get(w, -1)) < self.version]
 
     async def _on_heartbeat(self, msg) -> None:
-        self.workers[types_pb2.RolloutHeartbeat.FromString(msg.data).worker_id] = time.monotonic()
+        beat = types_pb2.RolloutHeartbeat.FromString(msg.data)
+        self.workers[beat.worker_id] = (time.monotonic(), beat.loaded_version)
+
+    async def _call(self, name: str, *args):
+        """A lockstep collective off the event loop."""
+        return await in_daemon_thread(self.ranks.call, name, *args)
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat, cb=self._on_heartbeat)
         try:
+            start = await self._resume()
             while not self.members() and not stop.is_set():
-                await asyncio.sleep(0.1)  # nothing to push version 0 to yet
-            await self._sync(0)
+                await asyncio.sleep(0.1)  # nothing to push the first weights to yet
+            await self._sync(start)
             t_prev = time.perf_counter()
-            for step in range(self.cfg.grpo.max_num_steps):
+            for step in range(start, self.cfg.grpo.max_num_steps):
                 if stop.is_set():
                     return
-                report = await self._step(step, stop)
-                if report is None:
+                done = await self._step(step, stop)
+                if done is None:
                     return
+                report, groups = done
                 report["timing/train/total_step_time"] = time.perf_counter() - t_prev
                 t_prev = time.perf_counter()
-                await self._report(step, report)
+                await self._finish_step(step, report, groups)
         finally:
             await sub.unsubscribe()
 
+    async def _resume(self) -> int:
+        """The step to run first: 0, or N after restoring the latest complete checkpoint step_N."""
+        latest = self.work.checkpointer.latest() if self.cfg.checkpointing.enabled else None
+        if latest is None:
+            return 0
+        start = await self._call("restore", str(latest))
+        log.info("resumed from %s: next step %d", latest, start)
+        for path in (self.metrics_path, self.batches_path):  # rows of steps the crash lost are run again
+            _drop_rows_from(path, start)
+        return start
+
     async def _sample(self, step: int, stop: asyncio.Event) -> tuple[replay_pb2.SampleResponse, float, float]:
+        """The step's batch, the seconds polled before the call that got it, and that call's seconds."""
         g = self.cfg.grpo
         request = replay_pb2.SampleRequest(step=step, prompts_per_step=g.num_prompts_per_step,
                                            max_staleness=g.max_staleness)
         t0 = time.perf_counter()
         while not stop.is_set():
             t_call = time.perf_counter()
-            response = await self.replay.Sample(request, timeout=30, wait_for_ready=True)
+            response = await retrying(self.replay.Sample, request, rpc="replay.Sample", stop=stop, timeout=30)
+            if response is None:
+                break
             if response.ready:
+                self.sample_returned_ns = time.time_ns()
                 return response, t_call - t0, time.perf_counter() - t_call
+            late = self.behind()
+            if late:  # without them this batch may never fill (e.g. the only worker restarted)
+                log.info("sync v%d to %s, which joined since the last sync", self.version, late)
+                await self._sync(self.version, late)
             await asyncio.sleep(POLL_S)
         return None, 0.0, 0.0
 
-    async def _step(self, step: int, stop: asyncio.Event) -> dict[str, float] | None:
+    async def _step(self, step: int, stop: asyncio.Event
+                    ) -> tuple[dict[str, float], list[types_pb2.TrajectoryGroup]] | None:
         response, waited, rpc_s = await self._sample(step, stop)
         if response is None:
             return None
+        span = start_step_span(step, response.groups)  # linked to the trace of every group it trains on
+        timeline = group_timeline(response.groups, self.synced_at_ns, self.sample_returned_ns)
         t0 = time.perf_counter()
-        batch = build_batch(response.groups, self.policy.tokenizer.pad_token_id,
+        batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
                             overlong_filtering=self.cfg.grpo.overlong_filtering)
-        metrics = await in_daemon_thread(self._train, batch)
+        advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
+        build_s = time.perf_counter() - t0
+        metrics = await self._call("train", batch, advantages)
+        metrics = {k if k.startswith("timing/") else f"train/{k}": v for k, v in (metrics | adv_metrics).items()}
         train_s = time.perf_counter() - t0
         sync_s = await self._sync(step + 1)
+        metrics.update(timeline)
+        metrics["timing/train/batch_build"] = build_s
+        metrics.update(self.sync_phases)
         metrics |= step_metrics(step, batch, response.groups)
+        # The same step must always train on the same batch (a restart included); this makes it checkable.
+        metrics["train/batch_crc32"] = float(zlib.crc32(",".join(g.group_id for g in response.groups).encode()))
         metrics.update({"timing/train/replay_wait": waited, "timing/train/replay": rpc_s,
                         "timing/train/policy_training": train_s, "timing/train/weight_sync": sync_s})
-        return metrics
+        span.set_attributes({"flywheel.train_seconds": train_s, "flywheel.weight_sync_seconds": sync_s})
+        span.end()
+        return metrics, list(response.groups)
 
-    def _train(self, batch: TrainBatch) -> dict[str, float]:
-        g = self.cfg.grpo
-        valid = batch.sample_mask > 0
-        rewards = batch.rewards
-        if g.reward_shaping.enabled:  # DAPO overlong penalty on the generated length
-            rewards = rewards + overlong_reward_penalty(batch.token_mask.sum(dim=1), g.reward_shaping)
-        advantages, adv_metrics = compute_advantages(
-            rewards, batch.prompt_ids, valid, use_leave_one_out_baseline=g.use_leave_one_out_baseline,
-            normalize_rewards=g.normalize_rewards, advantage_clip_low=g.advantage_clip_low,
-            advantage_clip_high=g.advantage_clip_high)
-        metrics = self.policy.train_step(batch, advantages)
-        return {f"train/{k}": v for k, v in (metrics | adv_metrics).items()}
-
-    async def _sync(self, version: int) -> float:
-        members = self.members()
-        state = self.policy.full_state_dict()
+    async def _sync(self, version: int, members: list[str] | None = None) -> float:
+        """Push `version` to `members` (every live worker by default)."""
+        members = self.members() if members is None else members
+        t0 = time.perf_counter()
+        state = await self._call("weights")
+        gather_s = time.perf_counter() - t0
         result = await in_daemon_thread(self.sender.sync, version, members, state,
                                          timeout_s=self.cfg.weight_sync.timeout_s)
+        self.synced_at_ns = time.time_ns()
+        self.sync_phases = {"timing/train/weight_gather": gather_s,
+                            **{f"timing/train/weight_sync/{k}": v for k, v in result.phases.items()}}
         self.version, self.last_sync = version, result
+        self.delivered.update(dict.fromkeys(result.members_ok, version))
+        self.synced_at = time.monotonic()
         if result.members_dropped:
             log.warning("sync v%d dropped %s", version, result.members_dropped)
             for w in result.members_dropped:
                 self.workers.pop(w, None)  # back in at its next heartbeat
         return result.seconds
 
-    async def _report(self, step: int, metrics: dict[str, float]) -> None:
+    async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup]
+                           ) -> None:
+        """Checkpoint if due, then record and report, then let replay free what the checkpoint covers."""
         final = step + 1 == self.cfg.grpo.max_num_steps
+        checkpointed = self.work.checkpointer.due(step + 1, final)
+        if checkpointed:
+            t0 = time.perf_counter()
+            await self._call("save", step + 1, metrics)
+            metrics["timing/train/checkpoint"] = time.perf_counter() - t0
         for name, value in metrics.items():
             STEP_METRIC.labels(name).set(value)
+        with self.batches_path.open("a") as f:
+            f.write(json.dumps({"step": step, "groups": [
+                {"id": g.group_id, "target_step": g.target_step, "version_start": g.version_start} for g in groups]})
+                    + "\n")
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        await self.bus.emit(self.bus.subjects.train_step, types_pb2.StepReport(step=step, metrics=metrics,
-                                                                                final=final))
+        report = types_pb2.StepReport(step=step, metrics=metrics, final=final)
+        if checkpointed:
+            report.checkpoint_step = step
+        await self.bus.emit(self.bus.subjects.train_step, report)
+        if checkpointed:
+            await self._commit(step)
+
+    async def _commit(self, step: int) -> None:
+        """Replay may see the Commit before the report that allows it: retry briefly, on purpose.
+        A Commit that never lands only keeps old batches in Redis; training goes on."""
+        try:
+            await self.bus.nc.flush()  # the report first, so that replay is likely to have it
+        except nats.errors.Error as err:  # a slow broker: Commit itself waits a while for the report
+            log.warning("flush before Commit(%d) failed: %r", step, err)
+        for attempt in range(COMMIT_TRIES):
+            try:
+                await self.replay.Commit(replay_pb2.CommitRequest(step=step), timeout=10)
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRIED:
+                    raise
+                RPC_ERRORS.labels("replay.Commit", err.code().name).inc()
+                await asyncio.sleep(0.1 * 2 ** attempt)
+        log.warning("replay did not accept Commit(%d); its batches stay stored", step)
+
+
+def group_timeline(groups, synced_at_ns: int, sample_returned_ns: int) -> dict[str, float]:
+    """Where a step's wait for data went, from the groups' own wall-clock stamps (one host's clock; across
+    hosts, skew adds to these). lease_delay: from the end of the previous weight sync to the first lease
+    (the worker loading the weights, WeightLoaded, the controller's wake-up; negative when k >= 1 leased
+    ahead). rollout_span: first lease to last group finished (work queue, generation, environment).
+    ingest: last group finished to the batch back in the trainer (publish, JetStream, replay's ingest and
+    Redis write, Sample)."""
+    if not groups:
+        return {}
+    leased = min(g.leased_at_unix_ns for g in groups)
+    finished = max(g.finished_at_unix_ns for g in groups)
+    return {"timing/train/lease_delay": (leased - synced_at_ns) / 1e9 if synced_at_ns else 0.0,
+            "timing/train/rollout_span": (finished - leased) / 1e9,
+            "timing/train/ingest": (sample_returned_ns - finished) / 1e9}
+
+
+def _drop_rows_from(path: Path, step: int) -> None:
+    """Rewrite a jsonl record without the rows of `step` and later (kept: rows without a step). A row the crash cut
+    off mid-write is dropped with them."""
+    if not path.exists():
+        return
+    rows = [r for r in read_rows(path) if r.get("step", -1) < step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -152,14 +301,34 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(cfg: FlywheelConfig) -> None:
-    import os
-
+    if rank_from_env() is None and cfg.trainer.nproc_per_node > 1:
+        code = launch_ranks(cfg, cfg.trainer.nproc_per_node)  # this process only watches the ranks
+        if code:
+            raise SystemExit(code)
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    info = init_distributed(cfg.trainer.collective_timeout_s)
+    try:
+        ranks = Lockstep(RankWork(cfg, info), info.rank, info.world)
+        if info.rank == 0:
+            await _lead(cfg, ranks)
+        else:
+            for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
+                signal.signal(sig, signal.SIG_IGN)
+            ranks.follow()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if info.world > 1:  # everything is saved and closed; skip the interpreter's teardown, which takes
+        logging.shutdown()  # seconds of CPU with a multi-rank gloo group and would break the 5 s stop rule
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+async def _lead(cfg: FlywheelConfig, ranks: Lockstep) -> None:
     setup_telemetry("trainer", cfg.run.name, cfg.telemetry)
-    policy = FSDP2Policy(cfg)
-    if policy.rank != 0:
-        raise NotImplementedError("multi-rank trainer: only rank 0 is wired to replay in this version")
-    bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="trainer")
+    bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="trainer", security=cfg.security)
     loop = asyncio.get_running_loop()
 
     def publish(announcement) -> None:  # called from the sync thread, once per epoch
@@ -169,13 +338,12 @@ async def serve(cfg: FlywheelConfig) -> None:
     w = cfg.weight_sync
     sender = WeightSender(backend=w.backend, host=cfg.addresses.host, port=w.store_port,
                           bucket_bytes=w.bucket_size_mb << 20, publish=publish)
-    trainer = Trainer(cfg, policy, bus, sender)
+    trainer = Trainer(cfg, ranks, bus, sender)
     try:
         await run_service("trainer", cfg.addresses.trainer,
                           lambda server: trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
-                              TrainerServicer(trainer), server), trainer.run)
+                              TrainerServicer(trainer), server), trainer.run, security=cfg.security)
     finally:
+        ranks.stop()
         sender.close()
         await bus.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()

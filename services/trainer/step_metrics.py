@@ -1,6 +1,7 @@
 """Per-step metrics read off the batch (pure): reward, staleness, lengths, rollout timings.
 
-Names follow NeMo RL where it has one (train/reward_mean, timing/train/...).
+Names follow NeMo RL where it has one (train/reward, train/avg_trajectory_age, timing/train/...);
+train/reward_mean and train/staleness_mean stay for the launcher's progress line and the benchmarks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ def step_metrics(step: int, batch: TrainBatch, groups) -> dict[str, float]:
     staleness = (step - batch.version_start).float()
     generated = batch.token_mask.sum(dim=1)
     out = {
+        "train/reward": batch.rewards.mean().item(),  # NeMo RL's headline name
         "train/reward_mean": batch.rewards.mean().item(),
+        "train/avg_trajectory_age": staleness.mean().item(),  # NeMo RL's name for the mean staleness
+        "train/global_valid_toks": generated.sum().item(),
         "train/staleness_mean": staleness.mean().item(),
         "train/staleness_max": staleness.max().item(),
         "train/mean_gen_tokens_per_sample": generated.mean().item(),

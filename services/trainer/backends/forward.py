@@ -1,0 +1,64 @@
+"""One micro-batch's forward pass: padded rows, or rows packed end to end into one sequence.
+
+Padded (the default and dynamic batching): the rows are cut to the longest of them, so a
+micro-batch of short samples costs short-sample compute. Packed (policy.sequence_packing):
+the rows' real tokens are concatenated into one row, positions restart at 0 for each
+sample, and a block-diagonal causal mask keeps attention inside each sample, so every
+logprob equals the padded one (to float rounding). Either way the result is
+[rows, width - 1], aligned with TrainBatch.targets cut to the same width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.common.config import PolicyConfig
+from services.common.modeling import token_logprobs
+from services.trainer.algorithms import LossInputs
+from services.trainer.algorithms.packing import pack_rows, unpack_values
+from services.trainer.batch import TrainBatch
+from services.trainer.plan import padded_width
+
+
+class Forward:
+    def __init__(self, cfg: PolicyConfig, temperature: float, device: torch.device) -> None:
+        self.cfg = cfg
+        self.temperature = temperature
+        self.device = device
+        self.packing = cfg.sequence_packing.enabled
+
+    def budget(self, *, train: bool) -> int | None:
+        """Token budget of a micro-batch when packing or dynamic batching is on, else None."""
+        mode = self.cfg.sequence_packing if self.packing else self.cfg.dynamic_batching
+        if not mode.enabled:
+            return None
+        return mode.train_mb_tokens if train else mode.logprob_mb_tokens
+
+    def logprobs(self, model: torch.nn.Module, b: TrainBatch, rows: list[int]) -> Tensor:
+        """[len(rows), width - 1] logprobs of the rows' targets (0 past each row's end)."""
+        lengths = b.attention_mask[rows].sum(1)
+        width = padded_width(lengths.tolist())
+        ids = b.input_ids[rows, :width]
+        if self.packing:
+            return self._packed(model, ids, lengths)
+        mask = b.attention_mask[rows, :width]
+        logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        return token_logprobs(logits[:, :-1], ids[:, 1:].to(self.device), self.temperature)
+
+    def _packed(self, model: torch.nn.Module, ids: Tensor, lengths: Tensor) -> Tensor:
+        packed = pack_rows(ids, lengths)
+        d = self.device
+        logits = model(input_ids=packed.input_ids.to(d), position_ids=packed.position_ids.to(d),
+                       attention_mask=packed.attention_mask.to(d)).logits
+        values = token_logprobs(logits[:, :-1], packed.input_ids[:, 1:].to(d), self.temperature)
+        return unpack_values(values[0], lengths, ids.shape[1] - 1)
+
+    def loss_inputs(self, data: LossInputs, rows: list[int], width: int) -> LossInputs:
+        """The rows' loss inputs, cut to the micro-batch's width (targets are width long)."""
+        def take(x: Tensor | None) -> Tensor | None:
+            if x is None:
+                return None
+            x = x[rows]
+            return (x[:, :width] if x.dim() == 2 else x).to(self.device)
+        return LossInputs(**{f: take(getattr(data, f)) for f in LossInputs.__slots__})

@@ -1,0 +1,192 @@
+"""The FSDP2 backend: torch `fully_shard` over the data-parallel ranks, gloo on CPU, NCCL on GPU.
+
+Every rank holds the whole step's batch and runs the rows services/trainer/plan.py gives
+it. Each micro-batch loss is divided by the optimizer step's GLOBAL valid tokens (or
+sequences), so summed micro-batch gradients are the step-wide mean for any micro-batching
+and any number of ranks. FSDP averages gradients over ranks; the loss is multiplied by
+the world size to undo that, so ranks effectively sum (NeMo RL does the same).
+
+Master weights are fp32. On GPU with precision bfloat16 the forward and backward run in
+bf16 (MixedPrecisionPolicy) with fp32 gradient reduction; on CPU everything is fp32, and
+weights are cast to the configured precision only when they are published.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from services.common.config import FlywheelConfig
+from services.common.modeling import load_policy
+from services.trainer.algorithms import LossInputs, clipped_pg_loss
+from services.trainer.algorithms.metrics import combine_metrics, reduction
+from services.trainer.backends import TrainingBackend
+from services.trainer.backends.forward import Forward
+from services.trainer.batch import TrainBatch
+from services.trainer.distributed import RankInfo
+from services.trainer.optim import build_optimizer, build_scheduler
+from services.trainer.plan import logprob_plan, optimizer_steps, train_plan
+
+log = logging.getLogger("flywheel.trainer")
+
+
+class FSDP2Backend(TrainingBackend):
+    def __init__(self, cfg: FlywheelConfig, info: RankInfo) -> None:
+        self.cfg = cfg
+        self.rank, self.world = info.rank, info.world
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        self.publish_dtype = getattr(torch, cfg.policy.precision)
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        fp32 = cfg.policy.model_copy(update={"precision": "float32"})
+        model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
+        if cfg.policy.activation_checkpointing:  # per decoder layer, non-reentrant: composes with FSDP2
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = self._shard(model, offload=False)
+        self.reference = None
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:  # a frozen copy of the initial weights
+            reference, _ = load_policy(fp32, cfg.run.seed, self.device)
+            self.reference = self._shard(reference.requires_grad_(False), offload=cuda)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.policy.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
+        self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
+
+    def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
+        """fully_shard each decoder layer, then the root. `offload` keeps the shards in host memory
+        between uses (the reference policy on GPU): FSDP copies them in for each forward only.
+
+        One CPU rank is left a plain module: there is nothing to shard, no mixed precision and no
+        offload, and DTensor dispatch on every op cost ~30% of a training step's CPU here (torchtitan
+        likewise applies FSDP only when the data-parallel shard degree is above 1)."""
+        if self.world == 1 and self.device.type == "cpu":
+            return model
+        mp = MixedPrecisionPolicy(param_dtype=self.publish_dtype, reduce_dtype=torch.float32) \
+            if self.device.type == "cuda" else MixedPrecisionPolicy()
+        kwargs = dict(mesh=self.mesh, mp_policy=mp)
+        if offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, **kwargs)
+        return fully_shard(model, **kwargs)
+
+    # ---- logprobs ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _all_logprobs(self, model: torch.nn.Module, b: TrainBatch, lengths: list[int]) -> Tensor:
+        """[B, L-1] target logprobs for the rows this rank trains on (zeros elsewhere)."""
+        p = self.cfg.policy
+        out = torch.zeros(b.targets.shape, dtype=torch.float32)
+        micro = p.logprob_batch_size or p.train_micro_batch_size
+        for rows in logprob_plan(lengths, self.rank, self.world, global_batch=p.train_global_batch_size,
+                                 micro=micro, budget=self.forward.budget(train=False)):
+            values = self.forward.logprobs(model, b, rows or [0])  # an empty micro-batch still joins the collectives
+            if rows:
+                out[rows, : values.shape[1]] = values.float().cpu()
+        return out
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
+        lengths = b.attention_mask.sum(1).tolist()
+        p = self.cfg.policy
+        t0 = time.perf_counter()
+        prev = self._all_logprobs(self.model, b, lengths)
+        ref = self._all_logprobs(self.reference, b, lengths) if self.reference is not None else None
+        t1 = time.perf_counter()
+        data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, reference_logprobs=ref,
+                          advantages=advantages, token_mask=b.token_mask, sample_mask=b.sample_mask)
+        plan = train_plan(lengths, self.rank, self.world, global_batch=p.train_global_batch_size,
+                          micro=p.train_micro_batch_size, budget=self.forward.budget(train=True))
+        self.model.train()
+        try:
+            steps = [self._optimizer_step(b, data, list(chunk), micro_batches)
+                     for chunk, micro_batches in zip(optimizer_steps(len(b), p.train_global_batch_size), plan)]
+        finally:
+            self.model.eval()
+        self.scheduler.step()
+        # This rank's wall time: recomputing prev (and reference) logprobs, then the loss and optimizer steps.
+        return _mean_over_steps(steps) | {"timing/train/logprobs": t1 - t0,
+                                          "timing/train/optimizer": time.perf_counter() - t1}
+
+    def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
+                        micro_batches: list[list[int]]) -> dict[str, float]:
+        mask = b.token_mask[chunk] * b.sample_mask[chunk, None]
+        totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
+                      global_valid_seqs=max(1.0, b.sample_mask[chunk].sum().item()))
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {}
+        for rows in micro_batches:
+            curr = self.forward.logprobs(self.model, b, rows or [chunk[0]])
+            part = self.forward.loss_inputs(data, rows or [chunk[0]], curr.shape[1])
+            loss, m = clipped_pg_loss(curr, part, self.cfg.loss_fn, **totals)
+            (loss * (self.world if rows else 0.0)).backward()  # an empty micro-batch adds nothing
+            if rows:
+                metrics = combine_metrics(metrics, m)
+        metrics = _combine_over_ranks(metrics, self.world)
+        max_norm = self.cfg.policy.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return metrics
+
+    # ---- weights and checkpoints ---------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=self.device.type == "cpu")
+        state = get_model_state_dict(self.model, options=opts)
+        return {k: v.to(self.publish_dtype) for k, v in state.items()}
+
+    def save(self, directory: Path) -> None:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(directory / "policy"))
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, directory: Path) -> None:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=str(directory / "policy"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def hf_files(self, directory: Path) -> None:
+        model = self.model
+        model.config.save_pretrained(directory)
+        model.generation_config.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+
+def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
+    """Sum, min or max each metric over the ranks (a rank may have no rows, hence no keys)."""
+    if world == 1:
+        return metrics
+    parts: list[dict[str, float]] = [{} for _ in range(world)]
+    dist.all_gather_object(parts, metrics)
+    out: dict[str, float] = {}
+    for part in parts:
+        out = combine_metrics(out, part)
+    return out
+
+
+def _mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One trainer step's metrics from its optimizer steps: extremes over all, the rest averaged;
+    lr is the one the last optimizer step used."""
+    out: dict[str, float] = {}
+    for step in steps:
+        out = combine_metrics(out, step)
+    for name, value in out.items():
+        if reduction(name) == "sum" and name != "lr":
+            out[name] = value / len(steps)
+    out["lr"] = steps[-1]["lr"]
+    return out

@@ -1,0 +1,201 @@
+"""Hugging Face <-> Megatron-Core GPTModel weights for Llama- and Qwen2-style models (pure, no IO).
+
+    HF (one layer i)                          Megatron-Core (decoder.layers.i.)
+    self_attn.{q,k,v}_proj.weight/bias  <->   self_attention.linear_qkv.weight/bias   (grouped, below)
+    self_attn.o_proj.weight             <->   self_attention.linear_proj.weight
+    mlp.{gate,up}_proj.weight           <->   mlp.linear_fc1.weight                   [gate; up]
+    mlp.down_proj.weight                <->   mlp.linear_fc2.weight
+    input_layernorm.weight              <->   input_layernorm.weight                 (local spec)
+                                              self_attention.linear_qkv.layer_norm_weight (TE spec, fused)
+    post_attention_layernorm.weight     <->   pre_mlp_layernorm.weight               (local spec)
+                                              mlp.linear_fc1.layer_norm_weight       (TE spec, fused)
+    model.embed_tokens / model.norm / lm_head <-> embedding.word_embeddings / decoder.final_layernorm / output_layer
+
+linear_qkv holds, for each of the G key/value groups in turn, that group's H/G query heads,
+then its key head, then its value head (Megatron splits it back the same way in attention).
+Every conversion only reshapes and concatenates, so HF -> Megatron -> HF is bit for bit.
+
+Tensor parallelism: column-parallel weights (linear_qkv by whole groups, linear_fc1 as
+[gate shard; up shard], embeddings and output_layer by vocabulary rows) split on dim 0,
+row-parallel ones (linear_proj, linear_fc2) on dim 1, norms are replicated.
+Pipeline parallelism: each stage holds consecutive layers, numbered from 0 on the stage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    fused_norms: bool = True
+    """Transformer Engine spec (norm weights inside linear_qkv / linear_fc1); False: the local spec."""
+
+    @classmethod
+    def of(cls, hf_config, fused_norms: bool = True) -> Shape:
+        """From a transformers LlamaConfig / Qwen2Config."""
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return cls(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads, head_dim, fused_norms)
+
+
+def _norm_names(s: Shape) -> tuple[str, str]:
+    if s.fused_norms:
+        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def _qkv_to_megatron(q: Tensor, k: Tensor, v: Tensor, s: Shape) -> Tensor:
+    """[H·d, ...], [G·d, ...], [G·d, ...] -> [(H + 2G)·d, ...] grouped as Megatron stores it."""
+    g, per = s.num_kv_heads, s.num_heads // s.num_kv_heads
+    rest = q.shape[1:]
+    q = q.reshape(g, per * s.head_dim, *rest)
+    k = k.reshape(g, s.head_dim, *rest)
+    v = v.reshape(g, s.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_to_hf(qkv: Tensor, s: Shape) -> tuple[Tensor, Tensor, Tensor]:
+    g, per, d = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(hf: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+    attn_norm, mlp_norm = _norm_names(s)
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], s)
+        if a + "q_proj.bias" in hf:  # Qwen2
+            out[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s)
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+        out[m + attn_norm] = hf[h + "input_layernorm.weight"]
+        out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"]
+    return out
+
+
+def megatron_to_hf(mc: dict[str, Tensor], s: Shape, tied: bool = False) -> dict[str, Tensor]:
+    out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
+           "model.norm.weight": mc["decoder.final_layernorm.weight"]}
+    if not tied:
+        out["lm_head.weight"] = mc["output_layer.weight"]
+    attn_norm, mlp_norm = _norm_names(s)
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.weight"], s)
+        out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
+        if m + "self_attention.linear_qkv.bias" in mc:
+            q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.bias"], s)
+            out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
+        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+        gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2)
+        out |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up}
+        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
+        out[h + "input_layernorm.weight"] = mc[m + attn_norm]
+        out[h + "post_attention_layernorm.weight"] = mc[m + mlp_norm]
+    return out
+
+
+# ---- tensor and pipeline parallel shards ------------------------------------------------------
+
+def _kind(name: str) -> str:
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return "qkv"
+    if name.endswith("linear_fc1.weight"):
+        return "fc1"
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return "rows"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "cols"
+    return "replicated"
+
+
+def tp_split(mc: dict[str, Tensor], s: Shape, tp: int) -> list[dict[str, Tensor]]:
+    """The full Megatron state -> one state per tensor-parallel rank."""
+    if s.num_kv_heads % tp:
+        raise ValueError(f"{s.num_kv_heads} key/value groups do not split over tensor_model_parallel_size {tp}")
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    for name, t in mc.items():
+        kind = _kind(name)
+        if kind == "qkv":  # whole groups per rank
+            parts = [p.reshape(-1, *t.shape[1:]) for p in t.reshape(s.num_kv_heads, -1, *t.shape[1:]).chunk(tp)]
+        elif kind == "fc1":
+            gate, up = t.chunk(2)
+            parts = [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))]
+        elif kind == "rows":
+            parts = list(t.chunk(tp))
+        elif kind == "cols":
+            parts = list(t.chunk(tp, dim=1))
+        else:
+            parts = [t] * tp
+        for shard, part in zip(shards, parts):
+            shard[name] = part.contiguous()
+    return shards
+
+
+def tp_merge(shards: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
+    """The inverse of tp_split."""
+    out = {}
+    for name in shards[0]:
+        parts = [shard[name] for shard in shards]
+        kind = _kind(name)
+        if kind == "fc1":
+            gates, ups = zip(*(p.chunk(2) for p in parts))
+            out[name] = torch.cat([*gates, *ups])
+        elif kind in ("qkv", "rows"):
+            out[name] = torch.cat(parts)
+        elif kind == "cols":
+            out[name] = torch.cat(parts, dim=1)
+        else:
+            out[name] = parts[0]
+    return out
+
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def pp_split(mc: dict[str, Tensor], num_layers: int, pp: int) -> list[dict[str, Tensor]]:
+    """One state per pipeline stage: consecutive layers (renumbered from 0), the embedding on the
+    first stage, the final norm and output layer on the last."""
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers do not split over pipeline_model_parallel_size {pp}")
+    per = num_layers // pp
+    stages: list[dict[str, Tensor]] = [{} for _ in range(pp)]
+    for name, t in mc.items():
+        if m := LAYER.match(name):
+            layer = int(m.group(1))
+            stages[layer // per][f"decoder.layers.{layer % per}.{m.group(2)}"] = t
+        elif name.startswith("embedding."):
+            stages[0][name] = t
+        else:
+            stages[-1][name] = t
+    return stages
+
+
+def pp_merge(stages: list[dict[str, Tensor]], num_layers: int) -> dict[str, Tensor]:
+    per = num_layers // len(stages)
+    out = {}
+    for index, stage in enumerate(stages):
+        for name, t in stage.items():
+            m = LAYER.match(name)
+            out[f"decoder.layers.{index * per + int(m.group(1))}.{m.group(2)}" if m else name] = t
+    return out

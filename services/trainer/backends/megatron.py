@@ -1,0 +1,182 @@
+"""The Megatron-Core backend (policy.megatron_cfg.enabled): tensor and pipeline parallel GPTModel.
+
+NEVER RUN. megatron-core 0.16.1 needs CUDA for a forward pass and no GPU was available when
+this was written: the module imports, its weight conversion (hf_megatron.py) is tested bit for
+bit on CPU (also against a real GPTModel's names and shapes), and the calls below follow the
+megatron-core 0.16.1 source. The training path itself has not executed once; treat it as a
+starting point to validate on a GPU (docs/trainer.md lists what to check first).
+
+Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
+are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
+normalisation are the FSDP2 backend's: clipped_pg_loss with the step's global counts; the
+schedule divides each micro-batch loss by the number of micro-batches and DDP averages over
+data-parallel ranks, so the loss is multiplied by both to make them sums.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from services.common.config import FlywheelConfig
+from services.common.modeling import load_policy
+from services.trainer.algorithms import LossInputs, clipped_pg_loss
+from services.trainer.backends import TrainingBackend
+from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
+                                                   tp_merge, tp_split)
+from services.trainer.batch import TrainBatch
+from services.trainer.distributed import RankInfo
+
+
+class MegatronBackend(TrainingBackend):
+    def __init__(self, cfg: FlywheelConfig, info: RankInfo) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("policy.megatron_cfg.enabled needs CUDA: megatron-core cannot run a forward pass "
+                               "on CPU; use the FSDP2 backend (megatron_cfg.enabled=false) here")
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        m = cfg.policy.megatron_cfg
+        self.cfg, self.rank, self.world = cfg, info.rank, info.world
+        ps.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
+        self.ps, self.tp, self.pp = ps, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        hf, self.tokenizer = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed)
+        self.hf_config, self.generation_config = hf.config, hf.generation_config
+        self.shape = Shape.of(hf.config, fused_norms=True)
+        self.model = self._build(hf)
+        self.optimizer = self._optimizer()
+
+    def _build(self, hf) -> torch.nn.Module:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        c, ps = hf.config, self.ps
+        self.tconfig = TransformerConfig(
+            num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+            num_query_groups=c.num_key_value_heads, ffn_hidden_size=c.intermediate_size, gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
+            add_bias_linear=False, add_qkv_bias=getattr(c, "attention_bias", False) or c.model_type == "qwen2",
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            bf16=self.cfg.policy.precision == "bfloat16", params_dtype=torch.float32)
+        model = GPTModel(config=self.tconfig, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                         vocab_size=c.vocab_size, max_sequence_length=self.cfg.policy.max_total_sequence_length,
+                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=c.tie_word_embeddings, position_embedding_type="rope",
+                         rotary_base=getattr(c, "rope_theta", 10000)).cuda()
+        full = hf_to_megatron(hf.state_dict(), self.shape)
+        stage = pp_split(full, c.num_hidden_layers, self.pp)[ps.get_pipeline_model_parallel_rank()]
+        shard = tp_split(stage, self.shape, self.tp)[ps.get_tensor_model_parallel_rank()]
+        missing, unexpected = model.load_state_dict(shard, strict=False)
+        if unexpected or any(not n.endswith("_extra_state") for n in missing):
+            raise RuntimeError(f"HF -> Megatron weights do not fit: missing {missing}, unexpected {unexpected}")
+        return DistributedDataParallel(config=self.tconfig, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True), module=model)
+
+    def _optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.policy.optimizer
+        name = o.name.rsplit(".", 1)[-1].lower()
+        if name not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"the Megatron backend supports AdamW, Adam and SGD, not {o.name}")
+        k = o.kwargs
+        betas = k.get("betas", (0.9, 0.999))
+        return get_megatron_optimizer(OptimizerConfig(
+            optimizer="sgd" if name == "sgd" else "adam", lr=k["lr"], weight_decay=k.get("weight_decay", 0.0),
+            adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=k.get("eps", 1e-8),
+            clip_grad=self.cfg.policy.max_grad_norm or 0.0, bf16=self.tconfig.bf16), [self.model])
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(iterator, model):
+            mb = next(iterator)
+            ids = batch.input_ids[mb].cuda()
+            logits = model(input_ids=ids, position_ids=None, attention_mask=None)
+            return logits, partial(loss_of, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
+            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)), forward_only=forward_only)
+
+    def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        t = self.cfg.policy.generation.temperature
+        return -vocab_parallel_cross_entropy((logits[:, :-1].float() / t).contiguous(), targets.cuda())
+
+    def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
+        mb = self.cfg.policy.train_micro_batch_size
+        dp = self.ps.get_data_parallel_world_size()
+        mine = list(range(self.ps.get_data_parallel_rank(), len(b), dp))
+        rows = [mine[i:i + mb] for i in range(0, len(mine), mb)]
+        prev = torch.zeros(b.targets.shape)
+
+        def keep_prev(mb_rows, logits):
+            prev[mb_rows] = self._logprobs(logits, b.targets[mb_rows]).detach().cpu()
+            return logits.sum() * 0, {}
+
+        self._run(b, rows, keep_prev, forward_only=True)  # the last stage fills prev
+        mask = b.token_mask * b.sample_mask[:, None]
+        totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
+                      global_valid_seqs=max(1.0, b.sample_mask.sum().item()))
+        data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, advantages=advantages,
+                          token_mask=b.token_mask, sample_mask=b.sample_mask)
+
+        def loss_of(mb_rows, logits):
+            curr = self._logprobs(logits, b.targets[mb_rows])
+            part = LossInputs(**{f: getattr(data, f)[mb_rows].cuda() if getattr(data, f) is not None else None
+                                 for f in LossInputs.__slots__})
+            loss, metrics = clipped_pg_loss(curr, part, self.cfg.loss_fn, **totals)
+            return loss * len(rows) * dp, metrics  # undo the schedule's and DDP's averaging
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._run(b, rows, loss_of, forward_only=False)
+        self.model.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
+        return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # ---- weights and checkpoints ---------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Gather tensor shards, then pipeline stages, to global rank 0; convert to HF names there."""
+        import torch.distributed as dist
+
+        local = {k: v.detach().cpu() for k, v in self.model.module.state_dict().items()
+                 if v is not None and not k.endswith("_extra_state")}
+        shards = [None] * self.tp
+        dist.all_gather_object(shards, local, group=self.ps.get_tensor_model_parallel_group())
+        stages = [None] * self.pp
+        dist.all_gather_object(stages, tp_merge(shards, self.shape),
+                               group=self.ps.get_pipeline_model_parallel_group())
+        if self.rank != 0:
+            return {}
+        merged = pp_merge(stages, self.shape.num_layers)
+        hf = megatron_to_hf(merged, self.shape, tied=self.hf_config.tie_word_embeddings)
+        return {k: v.to(getattr(torch, self.cfg.policy.precision)) for k, v in hf.items()}
+
+    def save(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(directory / "policy"))
+
+    def load(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self.model.module.sharded_state_dict(), str(directory / "policy"))
+        self.model.module.load_state_dict(state)
+
+    def hf_files(self, directory: Path) -> None:
+        self.hf_config.save_pretrained(directory)
+        self.generation_config.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)

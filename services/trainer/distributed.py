@@ -1,0 +1,162 @@
+"""The trainer's ranks: where they come from, how they meet, and how they stay in lockstep.
+
+Three ways to get N ranks, one code path once they exist:
+- `flywheel serve trainer --nproc-per-node N` (trainer.nproc_per_node): this process becomes a
+  launcher that starts N rank processes on this node, torchrun-style, and watches them;
+- under torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are set;
+- under srun: SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, plus MASTER_ADDR and
+  MASTER_PORT, which the batch script exports (the first node of the trainer's group).
+
+Only rank 0 talks to the network (replay, NATS, gRPC, the weight channel). The other ranks
+run `Lockstep.follow`: rank 0 broadcasts the name and arguments of every collective
+operation (a training step with its batch, gathering weights, saving a checkpoint) before it
+runs it, so all ranks enter the same collectives in the same order and none can deadlock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.common.config import FlywheelConfig, dump_config
+from services.common.infra import child_env, free_port
+
+log = logging.getLogger("flywheel.trainer")
+FOLLOWER_GRACE_S = 2.0
+STOP_WAIT_S = 2.0
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    rank: int
+    world: int
+    local_rank: int
+
+
+def rank_from_env(env: dict[str, str] | None = None) -> RankInfo | None:
+    """This process's rank under torchrun, our launcher or srun; None when started alone."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return RankInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")))
+    return None
+
+
+def init_distributed(timeout_s: float) -> RankInfo:
+    """Join (or make) the default process group: gloo on CPU, NCCL on GPU."""
+    info = rank_from_env() or RankInfo(0, 1, 0)
+    if dist.is_initialized():
+        return RankInfo(dist.get_rank(), dist.get_world_size(), info.local_rank)
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    timeout = timedelta(seconds=timeout_s)
+    if info.world == 1:  # explicit address: a child process must not inherit a rendezvous
+        init = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise RuntimeError(f"{info.world} ranks need {key} in the environment (srun: export it)")
+        init = "env://"
+    dist.init_process_group(backend, init_method=init, rank=info.rank, world_size=info.world, timeout=timeout)
+    return info
+
+
+class Lockstep:
+    """Rank 0 calls `call(name, *args)`; every rank runs `target.name(*args)` in the same order."""
+
+    def __init__(self, target, rank: int, world: int) -> None:
+        self.target = target
+        self.rank = rank
+        self.world = world
+        self.idle = threading.Event()
+        """Clear while rank 0 is inside a call (a stop message then would interleave with it)."""
+        self.idle.set()
+
+    def call(self, name: str, *args):
+        assert self.rank == 0, "only rank 0 leads"
+        self.idle.clear()
+        try:
+            self._broadcast((name, args))
+            return getattr(self.target, name)(*args)
+        finally:
+            self.idle.set()
+
+    def follow(self) -> None:
+        """Ranks > 0: run what rank 0 runs until it says stop."""
+        while True:
+            name, args = self._broadcast(None)
+            if name is None:
+                return
+            getattr(self.target, name)(*args)
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Tell the followers to return, once rank 0's call in flight (a step a stop signal
+        interrupted) has finished; if it does not finish in time, the launcher ends them."""
+        if self.idle.wait(wait_s):
+            self._broadcast((None, ()))
+
+    def _broadcast(self, message):
+        if self.world == 1:
+            return message
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _die_with_parent() -> None:
+    """Child side of Popen: SIGKILL this rank when the launcher dies (even by kill -9)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def launch_ranks(cfg: FlywheelConfig, nproc: int) -> int:
+    """Start `nproc` trainer ranks on this node and wait for them; returns the exit code.
+
+    SIGTERM/SIGINT go to rank 0 only: it stops the others through Lockstep. A rank that
+    fails ends the whole group, as torchrun does.
+    """
+    run_dir = Path(cfg.run.run_dir or ".")
+    config = run_dir / "trainer-ranks.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(dump_config(cfg))
+    base = child_env() | {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "trainer", "--config", str(config)],
+                              env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, preexec_fn=_die_with_parent)
+             for r in range(nproc)]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: procs[0].send_signal(signum))
+    return _watch(procs)
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None or codes[0] is not None:
+            break
+        time.sleep(0.2)
+    deadline = time.monotonic() + (FOLLOWER_GRACE_S if failed is None else 0.0)
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("rank pid %d did not stop; killing it", p.pid)
+            p.kill()
+            p.wait()
+    return failed if failed is not None else procs[0].returncode

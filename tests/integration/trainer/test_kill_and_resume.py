@@ -1,0 +1,57 @@
+"""kill -9 the trainer mid-run: it restarts from its latest checkpoint and the run goes on exactly.
+
+The first step after the restart trains on the same batch (replay's record of that step) with the
+checkpoint's weights, so its loss equals the loss that step had before the kill; every step
+appears once in the metrics, none skipped or repeated; older batches are freed by Commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from services.common.config import load_config
+from services.local import LocalStack, read_restarts
+
+STEPS = 14
+SAVE_PERIOD = 5
+KILL_AFTER = 7  # steps done; the checkpoint of step 4 (step_5) is the latest, the next comes after step 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_batch_and_loss(tmp_path, ranks):
+    cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "grpo.async_grpo.max_trajectory_age_steps=1",
+                             f"checkpointing.save_period={SAVE_PERIOD}", "checkpointing.keep_top_k=null",
+                             f"trainer.nproc_per_node={ranks}", "weight_sync.timeout_s=10"])
+    with LocalStack(cfg, tmp_path) as stack:
+        stack.start_services()
+        before = stack.wait_for(lambda rows: len(rows) >= KILL_AFTER, f"{KILL_AFTER} steps", timeout_s=600)
+        os.kill(stack.children.procs["trainer"].pid, signal.SIGKILL)
+        before = {r["step"]: r for r in _rows(tmp_path)}  # all steps finished before the kill
+        resumed_at = _latest_checkpoint(tmp_path)
+        after = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=900)
+
+    assert "trainer" in [r["service"] for r in read_restarts(tmp_path)]
+    assert resumed_at == SAVE_PERIOD and resumed_at in before, (resumed_at, sorted(before))
+    assert [r["step"] for r in after] == list(range(STEPS)), "a step was skipped or repeated"
+    first = after[resumed_at]
+    assert first["train/loss"] == pytest.approx(before[resumed_at]["train/loss"], abs=1e-6)
+    for step in range(resumed_at, max(before) + 1):  # replay served each re-run step the same batch
+        assert after[step]["train/batch_crc32"] == before[step]["train/batch_crc32"], step
+    for step in range(resumed_at):  # steps the checkpoint covers were not run again
+        assert after[step] == before[step]
+    assert (tmp_path / "checkpoints" / f"step_{STEPS}").is_dir()
+
+
+def _rows(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if "step" in row]
+
+
+def _latest_checkpoint(run_dir) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")]
+    return max(steps)

@@ -1,0 +1,65 @@
+"""Helpers for trainer tests: a step's batch of varied lengths, and real FSDP2 ranks in spawned processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.config import FlywheelConfig, load_config
+from services.common.infra import free_port
+from services.trainer.batch import TrainBatch, batch_advantages, build_batch
+
+
+def groups(n_groups: int = 4, size: int = 4, seed: int = 0) -> list[SimpleNamespace]:
+    """TrajectoryGroup-shaped groups: prompts of 3-6 tokens, completions of 1-7, varied rewards."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_groups):
+        prompt = torch.randint(4, 40, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        completions = []
+        for _ in range(size):
+            n = int(torch.randint(1, 8, (1,), generator=g))
+            completions.append(SimpleNamespace(
+                token_ids=torch.randint(4, 40, (n,), generator=g).tolist(), generated_mask=[True] * n,
+                generation_logprobs=(-torch.rand(n, generator=g) * 3).tolist(), version_start=0,
+                reward=float(torch.rand(1, generator=g) > 0.5), truncated=False))
+        out.append(SimpleNamespace(prompt_id=f"p{i}", env_name="toy", prompt_token_ids=prompt,
+                                   completions=completions))
+    return out
+
+
+def step_batch(cfg: FlywheelConfig, seed: int = 0) -> tuple[TrainBatch, torch.Tensor]:
+    batch = build_batch(groups(seed=seed), pad_id=0)
+    advantages, _ = batch_advantages(batch, cfg.grpo)
+    return batch, advantages
+
+
+def config(*overrides: str) -> FlywheelConfig:
+    return load_config(None, ["policy.optimizer.kwargs.lr=0.01", *overrides])
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        fn(rank, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # As the trainer does (services/trainer/main.py): skip the interpreter's teardown once the group is
+    # gone. There, gloo's leftover threads can abort a rank that has finished ("terminate called without
+    # an active exception", seen once in CI under load), which would fail a test whose work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(world: int, fn, *args) -> None:
+    """fn(rank, *args) in `world` fresh processes that form a gloo group (each calls init_distributed)."""
+    mp.spawn(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True)
