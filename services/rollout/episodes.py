@@ -3,19 +3,28 @@
 Per turn, the active episodes are generated in one batch, then scored in one batched
 EnvironmentService.Step. The observation is appended as tokens with loss mask 0
 (tokenized raw, as NeMo RL does) unless the episode ended. Each episode records the
-versions that produced its first and last generated token.
+versions that produced its first and last generated token, as the engine reports them per token (they
+differ only when weights were swapped in flight). Each engine call is a `rollout.generate`
+span of the group's trace (time to first token, tokens, version, worker); docs/observability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+from prometheus_client import Histogram
+
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
-from services.common.server import in_daemon_thread
 from services.common.structs import from_struct, to_struct
-from services.rollout.engine import Engine, Sampling
+from services.rollout.engines import Engine, Generated, Sampling
+
+tracer = trace.get_tracer("flywheel.rollout")
+TTFT_SECONDS = Histogram("flywheel_rollout_ttft_seconds", "Time to first token of one engine call (a turn's batch)",
+                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,8 +67,11 @@ class EpisodeRunner:
         self.max_seq_len = max_seq_len
         self.env_timeout_s = env_timeout_s
 
-    async def run(self, group: types_pb2.PromptGroup, worker_id: str, version) -> types_pb2.TrajectoryGroup:
-        """`version` is a callable returning the version loaded now."""
+    async def run(self, group: types_pb2.PromptGroup, worker_id: str,
+                  generated: Callable[[], Awaitable[None]] | None = None) -> types_pb2.TrajectoryGroup:
+        """`generated` is awaited once the group needs the engine no more: after its last possible turn is
+        generated, before that turn's Step (or after the Step that ended every episode early). The worker
+        gives the group's engine slot to the next group there, so scoring and publishing overlap generation."""
         tok = self.engine.tokenizer
         prompt = [{"role": m.role, "content": m.content} for m in group.messages]
         prompt_ids = prompt_token_ids(tok, prompt)
@@ -67,15 +79,22 @@ class EpisodeRunner:
         episodes = [EpisodeState(messages=list(prompt), metadata=from_struct(group.metadata),
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
         gen_s = env_s = 0.0
-        for _turn in range(max(1, group.max_turns)):
+        turns = max(1, group.max_turns)
+        for turn in range(turns):
             active = [e for e in episodes if not e.done]
             if not active:
                 break
             t0 = time.perf_counter()
-            await self._generate(active, prompt_ids, sampling, version)
+            await self._generate(active, prompt_ids, sampling, worker_id)
+            gen_s += time.perf_counter() - t0
+            if turn == turns - 1 and generated is not None:  # every episode ends at this Step
+                await generated()
+                generated = None
             t1 = time.perf_counter()
             await self._step_environment(group, active, len(prompt_ids))
-            gen_s, env_s = gen_s + (t1 - t0), env_s + (time.perf_counter() - t1)
+            env_s += time.perf_counter() - t1
+        if generated is not None:
+            await generated()
         for e in episodes:
             e.done = True
         scale = group.reward_scale or 1.0
@@ -91,22 +110,28 @@ class EpisodeRunner:
             environment_seconds=env_s, worker_id=worker_id, leased_at_unix_ns=group.leased_at_unix_ns,
             finished_at_unix_ns=time.time_ns())
 
-    async def _generate(self, active: list[EpisodeState], prompt_ids: list[int], sampling: Sampling, version) -> None:
+    async def _generate(self, active: list[EpisodeState], prompt_ids: list[int], sampling: Sampling,
+                        worker_id: str) -> None:
         inputs = [prompt_ids + e.token_ids for e in active]
         by_stops: dict[tuple[str, ...], list[int]] = {}
         for i, e in enumerate(active):  # episodes may ask for different stop strings
             by_stops.setdefault(tuple(e.stop_strings), []).append(i)
         for stops, idx in by_stops.items():
             turn = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, stop_strings=list(stops))
-            v_before = version()
-            outs = await in_daemon_thread(self.engine.generate, [inputs[i] for i in idx], turn)
-            v_after = version()
+                            top_p=sampling.top_p, top_k=sampling.top_k, stop_strings=list(stops),
+                            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed)
+            attributes = {"flywheel.worker": worker_id, "flywheel.version": self.engine.version,
+                          "flywheel.prompts": len(idx)}
+            with tracer.start_as_current_span("rollout.generate", attributes=attributes) as span:
+                outs = await self.engine.generate([inputs[i] for i in idx], turn)
+                _record_generation(span, outs, self.engine.version)
             for i, out in zip(idx, outs):
                 e = active[i]
+                # An empty turn (no room left) was sampled by no version: it takes the one loaded now.
+                start, end = (out.version_start, out.version_end) if out.token_ids else (self.engine.version,) * 2
                 if e.version_start < 0:
-                    e.version_start = v_before
-                e.version_end = v_after
+                    e.version_start = start
+                e.version_end = max(e.version_end, end)
                 e.append(out.token_ids, out.logprobs)
                 e.messages.append({"role": "assistant", "content": out.text})
                 e.text += out.text
@@ -139,3 +164,13 @@ class EpisodeRunner:
                 e.stop_strings = list(r.next_stop_strings)
             if r.HasField("metadata"):
                 e.metadata = from_struct(r.metadata)
+
+
+def _record_generation(span: trace.Span, outs: list[Generated], version_end: int) -> None:
+    """Attributes of one engine call: tokens, time to first token (where the engine knows it), versions."""
+    span.set_attribute("flywheel.tokens", sum(len(o.token_ids) for o in outs))
+    span.set_attribute("flywheel.version_end", version_end)
+    ttft = [o.first_token_s for o in outs if o.first_token_s is not None]
+    if ttft:
+        span.set_attribute("flywheel.ttft_s", min(ttft))
+        TTFT_SECONDS.observe(min(ttft))

@@ -1,0 +1,73 @@
+"""The part of the vLLM backend that runs inside vLLM's worker process (`worker_extension_cls`).
+
+vLLM mixes `FlywheelWorkerExtension` into its Worker class; the rollout process calls its methods by name
+with `AsyncLLM.collective_rpc("flywheel_...", args=...)`. Only small, msgpack-able values cross that call
+(an announcement's fields, a timeout, a checksum): the weights themselves arrive here over the weight channel
+(gloo on CPU, NCCL on GPU, NIXL where configured), straight from the trainer into this process.
+
+    rollout process ──collective_rpc(announcement)──▶ engine core / worker process
+    trainer ════════ weight channel (gloo/nccl/nixl) ════════▶ WeightReceiver.receive(into=staging)
+                                                              model_runner.reload_weights(staging)
+
+Weights are applied with vLLM's in-place `reload_weights`, not `model.load_weights`: CPU kernels repack
+some weights after loading (their original parameters are left empty), and reload_weights reruns that.
+
+Logprobs: `flywheel_setup` wraps the sampler's top-k/top-p stage so that the "processed" logprobs vLLM
+returns are log_softmax(logits / T) over the whole vocabulary, taken after temperature and before top-k/top-p
+filtering: the definition the trainer scores with (`services.common.modeling.token_logprobs`), for every
+sampling setting. vLLM's own processed_logprobs would be renormalised over the kept tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class FlywheelWorkerExtension:
+    """Methods vLLM adds to its Worker; names carry a prefix so they cannot clash with the Worker's own."""
+
+    def flywheel_setup(self, worker_id: str, backend: str, host: str | None, staging: list) -> bool:
+        """Once, after the engine started: the receiver, its staging tensors (HF names, shapes, dtypes in the
+        trainer's manifest order: `staging` is [(name, shape, dtype name)]), and the logprob definition."""
+        from services.common.weights import WeightReceiver
+
+        device = "cpu" if backend == "gloo" else self.device
+        self.flywheel_receiver = WeightReceiver(worker_id, backend, host=host)
+        self.flywheel_staging = {name: torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+                                 for name, shape, dtype in staging}
+        _logprobs_before_filtering(self.model_runner.sampler.topk_topp_sampler)
+        return True
+
+    def flywheel_receive(self, announcement: dict[str, Any], timeout_s: float, skip: list[str]) -> str:
+        """Join the announced epoch, fill the staging tensors, load them into the model; returns the checksum
+        the receiver acked. `skip`: staged names vLLM must not be given (a tied lm_head)."""
+        digest = self.flywheel_receiver.receive(announcement, self.flywheel_staging, timeout_s=timeout_s)
+        weights = [(n, t) for n, t in self.flywheel_staging.items() if n not in skip]
+        self.model_runner.reload_weights(weights_iterator=weights)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return digest
+
+    def flywheel_close(self) -> bool:
+        receiver = getattr(self, "flywheel_receiver", None)
+        if receiver is not None:
+            receiver.close()
+        return True
+
+
+def _logprobs_before_filtering(topk_topp) -> None:
+    """Make the top-k/top-p stage return log_softmax of the logits it receives (already divided by the
+    temperature) instead of the filtered ones. Sampling itself is unchanged."""
+    if getattr(topk_topp, "flywheel_wrapped", False):
+        return
+    inner = topk_topp.forward
+
+    def forward(logits: torch.Tensor, generators, k, p):
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before the stage masks logits in place
+        sampled, _ = inner(logits, generators, k, p)
+        return sampled, logprobs
+
+    topk_topp.forward = forward
+    topk_topp.flywheel_wrapped = True

@@ -1,0 +1,87 @@
+"""The trainer's side of a weight sync, for engine tests: policy states, a real WeightSender, the trainer's
+logprobs, and NeMo RL's token_mult_prob_error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from services.common.config import FlywheelConfig
+from services.common.modeling import load_policy, token_logprobs
+from services.common.weights import SyncResult, WeightSender
+from services.rollout.engines import Engine, Generated
+
+
+SHARPEN = 40.0
+
+
+@torch.no_grad()
+def policy(cfg: FlywheelConfig, seed: int) -> torch.nn.Module:
+    """The trainer's model at init with `seed` (different seeds: different weights, same layout), its lm_head
+    scaled up: a fresh init is nearly uniform over the vocabulary, so two seeds would sample alike."""
+    model, _ = load_policy(cfg.policy, seed)
+    model.lm_head.weight.mul_(SHARPEN)
+    return model
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the trainer sends: FSDP2Policy.full_state_dict()."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class Trainer:
+    """A WeightSender on gloo that pushes versions to one engine, as the trainer does after a step."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.announced: list = []
+        self.sender = WeightSender(backend="gloo", publish=self.announced.append, join_timeout_s=120)
+
+    def start_sync(self, version: int, model: torch.nn.Module) -> tuple[threading.Thread, list[SyncResult]]:
+        """Start pushing `version` on a thread; returns once it is announced (the engine may join now)."""
+        results: list[SyncResult] = []
+        before = len(self.announced)
+        thread = threading.Thread(target=lambda: results.append(
+            self.sender.sync(version, [self.worker_id], state(model), timeout_s=300)), daemon=True)
+        thread.start()
+        while len(self.announced) == before:
+            threading.Event().wait(0.01)
+        return thread, results
+
+    async def push(self, engine: Engine, version: int, model: torch.nn.Module) -> SyncResult:
+        thread, results = self.start_sync(version, model)
+        digest = await engine.load_weights(self.announced[-1].fields(), timeout_s=120)
+        await asyncio.to_thread(thread.join)
+        assert results[0].members_ok == [self.worker_id] and digest == results[0].checksum
+        return results[0]
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], out: Generated, temperature: float) -> torch.Tensor:
+    """The trainer's logprobs of `out`'s tokens after `prompt` (one forward over the whole sequence)."""
+    ids = torch.tensor([prompt + out.token_ids])
+    logits = model(ids).logits
+    return token_logprobs(logits[:, len(prompt) - 1:-1], ids[:, len(prompt):], temperature)[0]
+
+
+def token_mult_prob_error(gen: torch.Tensor, train: torch.Tensor) -> float:
+    """NeMo RL's metric: mean over tokens of exp(|gen - train|); 1.0 is exact."""
+    return torch.exp((gen.double() - train.double()).abs()).mean().item()
+
+
+async def until_generating(engine: Engine, requests: int) -> None:
+    """Until `requests` requests are in the engine (vllm: its output processor holds them) or, for hf, a
+    generate call holds the engine: what a test starts next is submitted after them."""
+    def busy() -> bool:
+        if hasattr(engine, "llm"):
+            return engine.llm.output_processor.get_num_unfinished_requests() >= requests
+        return engine.lock.locked()
+
+    while not busy():
+        await asyncio.sleep(0.005)
