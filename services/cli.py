@@ -3,7 +3,10 @@
     flywheel up [--config F] [--run-dir D] [key=value ...]     everything on this machine, tiny model by default
     flywheel serve SERVICE [--config F] [key=value ...]         one service (controller|rollout|environment|replay|trainer)
     flywheel env submit|list|remove ...                         change the environment mix of a running job
-    flywheel status                                             where a running job is
+    flywheel status [--json]                                    where a running job is (env and status find
+                                                                the local run: newest live runs/*/, or --run-dir)
+    flywheel eval [--config F] [--model M] [--data D] [--n N]  accuracy and pass@n of a model on a dataset
+    flywheel config check|show [--config] F [key=value ...]     validate, or print the resolved config; runs nothing
 
 Config is parsed and validated before any heavy import, so a bad key fails in well under a
 second with one line that names it (exit code 2).
@@ -16,7 +19,7 @@ import asyncio
 import importlib
 import sys
 
-from services.common.config import ConfigError, FlywheelConfig, load_config
+from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
 from services.common.logs import setup_logging
 
 SERVICES = ("controller", "rollout", "environment", "replay", "trainer")
@@ -27,6 +30,8 @@ def _config(args) -> FlywheelConfig:
 
 
 def cmd_serve(args) -> int:
+    if args.nproc_per_node:
+        args.overrides = [*args.overrides, f"trainer.nproc_per_node={args.nproc_per_node}"]
     cfg = _config(args)
     setup_logging(args.service, cfg.run.name, cfg.telemetry.log_level)
     module = importlib.import_module(f"services.{args.service}.main")  # heavy imports happen here
@@ -34,10 +39,64 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from services.trainer.export import export_checkpoint
+
+    step_dir = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported {step_dir} -> {args.out}", flush=True)
+    return 0
+
+
 def cmd_up(args) -> int:
     from services.local import run_local
 
-    return run_local(_config(args), args.config, args.run_dir)
+    cfg, notes = load(args.config, args.overrides)
+    if notes:
+        print(f"{len(notes)} NeMo RL keys accepted without effect (`flywheel config check` lists them)", flush=True)
+    return run_local(_planned(cfg), args.config, args.run_dir, resume=args.resume)
+
+
+def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
+    """data.* read and checked (a bad file or row stops here, before anything starts), trackers
+    importable, grpo.max_num_steps bounded by grpo.max_num_epochs; each decision printed."""
+    from services.controller.data import DataError, plan_config
+    from services.controller.tracking import TrackerError, check_trackers
+
+    try:
+        check_trackers(cfg)
+        cfg, lines = plan_config(cfg)
+    except DataError as err:
+        raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
+    except TrackerError as err:
+        raise ConfigError(f"config error: {err}") from None
+    for line in lines:
+        print(line, flush=True)
+    return cfg
+
+
+def cmd_eval(args) -> int:
+    from services.evaluate import eval_command, exported_if_checkpoint
+
+    model = exported_if_checkpoint(args.model, args.run_dir) if args.model else None
+    extra = [f"policy.model_name={model}"] if model else []
+    extra += [f"grpo.val_num_generations_per_prompt={args.n}"] if args.n else []
+    extra += [f"++data.validation={{data_path: {args.data}}}"] if args.data else []
+    cfg, _ = load(args.config, [*args.overrides, *extra])
+    return eval_command(cfg, args.run_dir)
+
+
+def cmd_config(args) -> int:
+    """check: validate and list the keys accepted without effect; show: the resolved config as YAML."""
+    path = args.config or args.file
+    cfg, notes = load(path, args.overrides)
+    if args.action == "show":
+        print(dump_config(cfg), end="")
+        return 0
+    for key, why in notes:
+        print(f"note: {key}: {why}")
+    _planned(cfg)
+    print(f"{path or 'the embedded default'}: ok ({len(notes)} keys accepted without effect)")
+    return 0
 
 
 def cmd_env(args) -> int:
@@ -58,20 +117,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML config file (default: the embedded default)")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_staleness=2")
+        p.add_argument("overrides", nargs="*", help="overrides as NeMo RL writes them: key=value, ++key=value, "
+                       "+key=value, ~key (e.g. grpo.async_grpo.max_trajectory_age_steps=2)")
         return p
 
     up = with_config(sub.add_parser("up", help="run NATS, Redis and all services locally"))
     up.add_argument("--run-dir", help="where config.yaml, metrics.jsonl and logs go (default: a fresh runs/<time>)")
+    up.add_argument("--resume", action="store_true", help="start a stopped run again in its --run-dir: the trainer "
+                    "from its latest checkpoint, the controller from its saved leases")
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service")
     serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("--nproc-per-node", type=int, help="trainer only: ranks to start here (trainer.nproc_per_node)")
     with_config(serve).set_defaults(func=cmd_serve)
 
+    export = sub.add_parser("export", help="write a trainer checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a step_N checkpoint, or a checkpoint_dir (its newest step_N)")
+    export.add_argument("out", help="output directory (safetensors, config, tokenizer, generation config)")
+    export.set_defaults(func=cmd_export)
+
+    def run_finder(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--controller", default="", help="controller host:port (default: find the local run)")
+        p.add_argument("--run-dir", default=None, help="the run directory `flywheel up` made (default: the newest "
+                       "live one under ./runs, or $FLYWHEEL_RUN_DIR)")
+        p.add_argument("--token", default="", help="bearer token (default: the run's controller.auth_token)")
+        p.add_argument("--tls-ca", default="", help="with --controller: PEM CA bundle of a controller serving TLS")
+        p.add_argument("--tls-cert", default="", help="with --controller: client certificate, for mutual TLS")
+        p.add_argument("--tls-key", default="", help="with --controller: the client certificate's key")
+
     env = sub.add_parser("env", help="submit, list or remove environments of a running job")
-    env.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
-    env.add_argument("--token", default="", help="bearer token, where auth is configured")
+    run_finder(env)
     env_sub = env.add_subparsers(dest="action", required=True)
     submit = env_sub.add_parser("submit")
     submit.add_argument("name")
@@ -85,9 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("name")
     env.set_defaults(func=cmd_env)
 
+    ev = with_config(sub.add_parser("eval", help="accuracy and pass@k of a model (or an exported checkpoint) on "
+                                    "data.validation, by the validation code"))
+    ev.add_argument("--model", help="Hugging Face id or directory, or a trainer checkpoint (step_N or its "
+                    "checkpoint_dir: exported first) (default: policy.model_name)")
+    ev.add_argument("--data", help="dataset to evaluate on (default: data.validation)")
+    ev.add_argument("--n", type=int, help="samples per prompt; pass@n is reported (default: "
+                    "grpo.val_num_generations_per_prompt)")
+    ev.add_argument("--run-dir", help="where eval.json and eval_samples.jsonl go (default: runs/eval-<time>)")
+    ev.set_defaults(func=cmd_eval)
+
+    config = sub.add_parser("config", help="validate a config (check) or print it resolved (show)")
+    config.add_argument("action", choices=("check", "show"))
+    config.add_argument("file", nargs="?", help="the config file (or --config)")
+    with_config(config).set_defaults(func=cmd_config)
+
     status = sub.add_parser("status", help="print a running job's status")
-    status.add_argument("--controller", default="127.0.0.1:50051")
-    status.add_argument("--token", default="")
+    run_finder(status)
+    status.add_argument("--json", action="store_true", help="the raw StatusResponse")
     status.set_defaults(func=cmd_status)
     return parser
 

@@ -9,70 +9,158 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
-from services.common.infra import Server, child_env, free_port, start_nats, start_redis
+from services.common.infra import Server, child_env, die_with_parent, free_port, start_nats, start_redis
+from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import types_pb2
+from services.common.security import secret_env, with_local_credentials
 
 START_ORDER = ("environment", "replay", "controller", "trainer", "rollout")
+INFRA = ("nats", "redis")
 STOP_TIMEOUT_S = 5.0
+BACKOFF_S = 0.5
+"""First restart delay; it doubles with each restart of the same child within the window."""
+MAX_BACKOFF_S = 8.0
 
 
-def _fresh_run_dir(requested: str | None) -> Path:
+def _fresh_run_dir(requested: str | None, resume: bool = False) -> Path:
     run_dir = Path(requested or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if (run_dir / "metrics.jsonl").exists():
-        raise SystemExit(f"{run_dir} already holds a run (metrics.jsonl); pass a fresh --run-dir")
+    if resume and not (run_dir / "config.yaml").exists():
+        raise SystemExit(f"--resume: {run_dir} holds no run (config.yaml); pass the --run-dir of a stopped run")
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"{run_dir} already holds a run (metrics.jsonl); pass a fresh --run-dir, or --resume it")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir.resolve()
 
 
-class Children:
-    """The service processes, stopped together."""
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """One unexpected exit that the supervisor answered with a restart."""
 
-    def __init__(self, run_dir: Path) -> None:
+    name: str
+    exit_code: int
+    unix_time: float
+
+
+class Children:
+    """The supervised processes: NATS, Redis and the services, each its own process group.
+
+    A child that exits with a non-zero code (a crash, kill -9) is restarted with the same
+    command line, ports and data directory, after a back-off that doubles with each restart
+    of that child in the window. Exit code 0 means the child finished on purpose (the trainer
+    after its last step, any service after SIGTERM) and is left alone. More than
+    `max_restarts` restarts of one child within `window_s` seconds spends the budget and the run stops,
+    as `restart: on-failure` with a limit would.
+    """
+
+    def __init__(self, run_dir: Path, *, max_restarts: int = 5, window_s: float = 300.0) -> None:
         self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.window_s = window_s
         self.procs: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}
+        """Extra environment of every service: the run's credentials."""
+        self.spawners: dict[str, Callable[[], subprocess.Popen]] = {}
         self.metrics_ports: dict[str, int] = {}
-        """Prometheus /metrics port of each child."""
+        """Prometheus /metrics port of each service."""
+        self.restarts: list[Restart] = []
+        self._due: dict[str, float] = {}  # name -> monotonic time of its pending restart
 
     def start(self, name: str, service: str, config: Path, overrides: list[str] = ()) -> None:
-        log = (self.run_dir / "logs" / f"{name}.log").open("w")
         self.metrics_ports[name] = free_port()
-        overrides = [*overrides, f"telemetry.metrics_port={self.metrics_ports[name]}"]
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config), *overrides],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        argv = [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config), *overrides,
+                f"telemetry.metrics_port={self.metrics_ports[name]}"]
+        log = self.run_dir / "logs" / f"{name}.log"
+        self.adopt(name, lambda: subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT,
+                                                  env=child_env(self.env), start_new_session=True,
+                                                  preexec_fn=die_with_parent))
 
-    def dead(self) -> str | None:
-        return next((n for n, p in self.procs.items() if p.poll() not in (None, 0)), None)
+    def adopt(self, name: str, spawn: Callable[[], subprocess.Popen], running: subprocess.Popen | None = None) -> None:
+        """Supervise `running` (or what `spawn` starts now); `spawn` is called again for each restart."""
+        self.spawners[name] = spawn
+        self.procs[name] = running or spawn()
+
+    def supervise(self) -> str | None:
+        """Restart what crashed (once its back-off is over); a message once the budget is spent."""
+        now = time.monotonic()
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code in (None, 0):
+                continue
+            if name not in self._due:
+                recent = self._recent(name)
+                if len(recent) >= self.max_restarts:
+                    return (f"{name} exited with code {code} and the restart budget ({self.max_restarts} in "
+                            f"{self.window_s:.0f} s) is spent; its log ends:\n{self.tail(name)}")
+                self._due[name] = now + min(BACKOFF_S * 2 ** len(recent), MAX_BACKOFF_S)
+                print(f"{name} exited with code {code}; restarting in {self._due[name] - now:.1f} s "
+                      f"({len(recent) + 1}/{self.max_restarts}); its log ends:\n{self.tail(name, 10)}",
+                      file=sys.stderr, flush=True)
+            if now >= self._due[name]:
+                self._restart(name, code)
+        return None
+
+    def _recent(self, name: str) -> list[Restart]:
+        horizon = time.time() - self.window_s
+        return [r for r in self.restarts if r.unix_time >= horizon and r.name == name]
+
+    def _restart(self, name: str, code: int) -> None:
+        _kill_group(self.procs[name])  # what the dead leader left behind (e.g. trainer ranks)
+        del self._due[name]
+        restart = Restart(name=name, exit_code=code, unix_time=time.time())
+        self.restarts.append(restart)
+        # Its own file, not metrics.jsonl: the trainer rewrites that one when it resumes.
+        with (self.run_dir / "restarts.jsonl").open("a") as f:
+            f.write(json.dumps({"service": name, "exit_code": code, "unix_time": restart.unix_time}) + "\n")
+        self.procs[name] = self.spawners[name]()
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """Services first (SIGTERM, then SIGKILL of the group after a grace period), then NATS and Redis."""
+        self._due.clear()
+        services = {n: p for n, p in self.procs.items() if n not in INFRA}
+        for group in (services, {n: p for n, p in self.procs.items() if n in INFRA}):
+            for p in group.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for p in group.values():
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                _kill_group(p)
 
     def tail(self, name: str, lines: int = 30) -> str:
         return "\n".join((self.run_dir / "logs" / f"{name}.log").read_text().splitlines()[-lines:])
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads, so no child of it outlives it; then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The trainer's metrics.jsonl rows so far (one per finished step)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_rows(Path(run_dir) / "metrics.jsonl")
+
+
+def read_restarts(run_dir: Path) -> list[dict]:
+    """The supervisor's restarts.jsonl: one row per restart of a crashed child."""
+    return read_rows(Path(run_dir) / "restarts.jsonl")
 
 
 def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Path) -> FlywheelConfig:
@@ -91,11 +179,21 @@ class LocalStack:
     def __init__(self, cfg: FlywheelConfig, run_dir: Path) -> None:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("w"))
-        self.redis = start_redis(run_dir / "redis", log_file=(logs / "redis.log").open("w"))
+        self.children = Children(run_dir, max_restarts=cfg.run.max_restarts, window_s=cfg.run.restart_window_s)
+        security = with_local_credentials(cfg.security)  # handed to children in the environment, not config.yaml
+        # A restarted broker comes back on the same port and data directory (JetStream on disk, Redis AOF).
+        self.nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("a"),
+                               token=security.nats_token.get_secret_value())
+        self.children.adopt("nats", lambda: start_nats(run_dir / "nats", self.nats.port,
+                                                       log_file=(logs / "nats.log").open("a")).proc, self.nats.proc)
+        self.redis = start_redis(run_dir / "redis", log_file=(logs / "redis.log").open("a"),
+                                 password=security.redis_password.get_secret_value())
+        self.children.adopt("redis", lambda: start_redis(run_dir / "redis", self.redis.port,
+                                                         log_file=(logs / "redis.log").open("a")).proc, self.redis.proc)
         self.cfg = _assign_ports(cfg, self.nats, self.redis, run_dir)
+        self.cfg.security = security
+        self.children.env = secret_env(self.cfg.security)
         self.config_path = write_resolved(self.cfg, run_dir)
-        self.children = Children(run_dir)
 
     def start_services(self) -> None:
         for service in START_ORDER:
@@ -109,9 +207,9 @@ class LocalStack:
         """Metrics rows once `done(rows)`; raises if a service dies or `timeout_s` passes first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = self.children.dead()
-            if dead:
-                raise RuntimeError(f"{dead} died:\n{self.children.tail(dead)}")
+            failure = self.children.supervise()
+            if failure:
+                raise RuntimeError(failure)
             rows = read_metrics(self.children.run_dir)
             if done(rows):
                 return rows
@@ -121,8 +219,6 @@ class LocalStack:
 
     def stop(self) -> None:
         self.children.stop()
-        self.nats.stop()
-        self.redis.stop()
 
     def __enter__(self) -> LocalStack:
         return self
@@ -131,8 +227,11 @@ class LocalStack:
         self.stop()
 
 
-def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | None) -> int:
-    run_dir = _fresh_run_dir(run_dir_arg or cfg.run.run_dir or None)
+def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | None, resume: bool = False) -> int:
+    """`resume`: start again on a stopped run's directory; JetStream, Redis (AOF), the controller's KV state
+    and the trainer's latest checkpoint there carry the run on (tests/integration/test_math_e2e_resume.py)."""
+    run_dir = _fresh_run_dir(run_dir_arg or cfg.run.run_dir or None, resume)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
     with LocalStack(cfg, run_dir) as stack:
         cfg = stack.cfg
         print(f"flywheel up: run dir {run_dir}\n  nats {stack.nats.url}  redis {stack.redis.url}  "
@@ -149,7 +248,7 @@ def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | N
 
 async def _follow(cfg: FlywheelConfig, children: Children) -> int:
     """Print progress until the final step report or a child dies."""
-    bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="launcher")
+    bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="launcher", security=cfg.security)
     reports: asyncio.Queue = asyncio.Queue()
 
     async def on_step(msg) -> None:
@@ -159,10 +258,9 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
     started = time.monotonic()
     try:
         while True:
-            dead = children.dead()
-            if dead:
-                print(f"\n{dead} exited with code {children.procs[dead].returncode}; its log ends:\n"
-                      f"{children.tail(dead)}", file=sys.stderr, flush=True)
+            failure = children.supervise()
+            if failure:
+                print(f"\n{failure}", file=sys.stderr, flush=True)
                 return 1
             try:
                 report = await asyncio.wait_for(reports.get(), 1.0)
@@ -170,9 +268,25 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
                 continue
             print(_progress_line(cfg, report, time.monotonic() - started), flush=True)
             if report.final:
+                await _final_validation(cfg, report.step + 1, children)
                 return 0
     finally:
         await bus.close()
+
+
+async def _final_validation(cfg: FlywheelConfig, version: int, children: Children, timeout_s: float = 900) -> None:
+    """The controller validates the last weights when grpo.val_at_end (or val_period) asks: wait for it."""
+    from services.controller.evaluation import due
+
+    has_validation = cfg.data.validation_sets() or any(d.split_validation_size for d in cfg.data.train_sets())
+    if not (has_validation and due(cfg, version, final=True)):
+        return
+    path = Path(cfg.run.run_dir) / "validation.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and children.supervise() is None:
+        if any(row.get("version") == version for row in read_rows(path)):
+            return
+        await asyncio.sleep(0.5)
 
 
 def _progress_line(cfg: FlywheelConfig, report: types_pb2.StepReport, elapsed: float) -> str:
@@ -187,6 +301,14 @@ def _progress_line(cfg: FlywheelConfig, report: types_pb2.StepReport, elapsed: f
 PARTS = [("generation", "timing/train/generation"), ("environment", "timing/train/environment"),
          ("replay", "timing/train/replay"), ("training", "timing/train/policy_training"),
          ("weight sync", "timing/train/weight_sync")]
+
+
+TIMELINE = [("lease delay", "timing/train/lease_delay"), ("rollout", "timing/train/rollout_span"),
+            ("ingest", "timing/train/ingest"), ("batch", "timing/train/batch_build"),
+            ("logprobs", "timing/train/logprobs"), ("optimizer", "timing/train/optimizer"),
+            ("gather", "timing/train/weight_gather"), ("announce", "timing/train/weight_sync/announce"),
+            ("join", "timing/train/weight_sync/join"), ("send", "timing/train/weight_sync/send"),
+            ("confirm", "timing/train/weight_sync/confirm")]
 
 
 def _summary(cfg: FlywheelConfig, run_dir: Path) -> None:
@@ -210,4 +332,12 @@ def _summary(cfg: FlywheelConfig, run_dir: Path) -> None:
     remainder = step - sum(parts.values())
     print(f"    {'remainder':<12} {remainder:7.3f} s  control plane: NATS hops, leasing, queueing"
           + ("  (negative: rollout overlapped training)" if remainder < 0 else ""), flush=True)
+    timeline = [(name, key) for name, key in TIMELINE if key in rows[-1]]
+    if timeline:  # the trainer's breakdown of the same steps (docs/architecture.md, "Step anatomy")
+        print("  step timeline: " + ", ".join(
+            f"{name} {mean(key, [r for r in rows if key in r]):.3f}" for name, key in timeline) + " s", flush=True)
+    restarts = read_restarts(run_dir)
+    if restarts:
+        print(f"  restarts: {len(restarts)} (" + ", ".join(
+            f"{r['service']} exit {r['exit_code']}" for r in restarts) + ")", flush=True)
     print(f"  metrics: {run_dir / 'metrics.jsonl'}", flush=True)

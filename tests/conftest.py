@@ -1,6 +1,9 @@
-"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test."""
+"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test; tool checks."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 
@@ -19,3 +22,21 @@ def redis_server(tmp_path) -> Server:
     server = start_redis(tmp_path / "redis")
     yield server
     server.stop()
+
+
+def require_tools(*tools: str) -> None:
+    """Skip unless every named tool is on PATH; under CI (FLYWHEEL_CI=1, set by .ci/run, which
+    installs them) a missing tool fails instead, so a set-up gap cannot hide as a skip."""
+    missing = [t for t in tools if not shutil.which(t)]
+    if not missing:
+        return
+    message = f"not installed: {', '.join(missing)}"
+    if os.environ.get("FLYWHEEL_CI") == "1":
+        pytest.fail(f"{message} (CI installs them: .ci/run)")
+    pytest.skip(message)
+
+
+@pytest.fixture
+def need_tools():
+    """require_tools, for tests."""
+    return require_tools

@@ -1,55 +1,31 @@
-"""Bearer-token auth for the controller's admin API, as one grpc.aio server interceptor.
+"""Bearer-token auth for the controller's admin API: the shared token check (common/security.py)
+applied to ControllerService rpcs.
 
 Where `controller.auth_token` is set, every ControllerService rpc must carry the metadata
 `authorization: Bearer <token>`; anything else is answered UNAUTHENTICATED before the
-handler runs. Health checks stay open, so probes and launchers need no token.
+handler runs. Health checks stay open, so probes and launchers need no token. The admin API
+is the run's public face, so the run token (internal rpcs only) is not asked of it: `PUBLIC`.
 """
 
 from __future__ import annotations
 
-import hmac
-
 import grpc
 
+from services.common.security import TokenAuthInterceptor, bearer_token
+
 ADMIN_PREFIX = "/flywheel.v1.ControllerService/"
+PUBLIC = (ADMIN_PREFIX,)
+"""Method prefixes exempt from the run token (run_service's `public`)."""
+
+__all__ = ["ADMIN_PREFIX", "PUBLIC", "BearerAuthInterceptor", "bearer_token", "interceptors"]
 
 
-def bearer_token(metadata) -> str | None:
-    """The token of an `authorization: Bearer <token>` entry; None when there is none."""
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            scheme, _, token = (value.decode() if isinstance(value, bytes) else value).partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
-
-
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+class BearerAuthInterceptor(TokenAuthInterceptor):
     """Rejects admin rpcs whose bearer token is missing or differs from `token` (constant-time compare)."""
 
     def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("BearerAuthInterceptor needs a non-empty token")
-        self._token = token.encode()
-
-    def allows(self, metadata) -> bool:
-        given = bearer_token(metadata)
-        return given is not None and hmac.compare_digest(given.encode(), self._token)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if (handler is None or not handler_call_details.method.startswith(ADMIN_PREFIX)
-                or self.allows(handler_call_details.invocation_metadata)):
-            return handler
-        message = "missing bearer token" if bearer_token(handler_call_details.invocation_metadata) is None \
-            else "invalid bearer token"
-
-        async def reject(request, context: grpc.aio.ServicerContext):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{message}: send metadata 'authorization: Bearer <controller.auth_token>'")
-
-        return grpc.unary_unary_rpc_method_handler(reject, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        super().__init__(token, read=bearer_token, protects=lambda method: method.startswith(ADMIN_PREFIX),
+                         what="bearer token", how="send metadata 'authorization: Bearer <controller.auth_token>'")
 
 
 def interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:

@@ -23,25 +23,41 @@ from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
 from services.common.config import EnvironmentSpec, FlywheelConfig
-from services.common.pb.flywheel.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from services.common.server import run_service
+from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
+from services.common.logs import RateLimitedLog
+from services.common.pb.flywheel.v1 import (controller_pb2, controller_pb2_grpc, environment_pb2_grpc, replay_pb2_grpc,
+                                            rollout_pb2_grpc, types_pb2)
+from services.common.server import channel, run_service
 from services.common.telemetry import setup_telemetry
 from services.controller import auth
 from services.controller.admission import leasable_targets
+from services.controller.data import LoadedData, load_data
+from services.controller.datasets import EpochCursor, Exhausted
+from services.controller.evaluation import ValidationLoop, Validator, validation_prompts
 from services.controller.registry import Registry
+from services.controller.reporting import Reporting
+from services.controller.state import RunState, StateStore
+from services.controller.tracking import Tracker
 
 log = logging.getLogger("flywheel.controller")
+_warn = RateLimitedLog(log)
 LIVE_S = 10.0
+REGISTER_CHECK_S = 2.0
+"""How often the controller checks that the environment service still knows the mix (a restart forgets it)."""
 LEASED = Counter("flywheel_controller_leased_groups_total", "Prompt groups leased", ["env"])
 OUTSTANDING = Gauge("flywheel_controller_outstanding_groups", "Groups leased and not yet consumed (queue depth)")
 LOADED = Gauge("flywheel_controller_loaded_version", "Newest policy version served by a live rollout worker")
 
 
 class Controller:
-    def __init__(self, cfg: FlywheelConfig, bus: Bus, registry: Registry) -> None:
+    def __init__(self, cfg: FlywheelConfig, bus: Bus, registry: Registry, reporting: Reporting | None = None,
+                 state: StateStore | None = None) -> None:
         self.cfg = cfg
         self.bus = bus
         self.registry = registry
+        self.reporting = reporting
+        self.state = state
+        """Where the lease position is saved after every window (state.py); None keeps it in memory only."""
         self.rng = random.Random(cfg.run.seed)
         self.tracer = trace.get_tracer("flywheel.controller")
         self.workers: dict[str, tuple[int, float]] = {}  # worker_id -> (loaded version, last seen)
@@ -49,6 +65,8 @@ class Controller:
         self.next_target = 0
         self.leased: dict[str, types_pb2.PromptGroup] = {}  # for re-leasing stale groups
         self.releases = 0
+        self.refills: dict[int, int] = {}  # target step -> prompts leased to replace filtered groups
+        self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
 
     @property
@@ -62,18 +80,37 @@ class Controller:
         subs = [await self.bus.nc.subscribe(s.heartbeat, cb=self._on_heartbeat),
                 await self.bus.nc.subscribe(s.weights_loaded, cb=self._on_loaded),
                 await self.bus.nc.subscribe(s.train_step, cb=self._on_step),
-                await self.bus.nc.subscribe(s.stale, cb=self._on_stale)]
+                await self.bus.consume(s.stale, "controller-stale", self._on_stale),
+                await self.bus.consume(s.filtered, "controller-filtered", self._on_filtered)]
+        registered = asyncio.create_task(self._keep_registered())
         try:
             while not stop.is_set():
+                if self.fatal:
+                    raise RuntimeError(self.fatal)
                 await self._lease_window()
+                if self.state is not None:
+                    await self.state.save(self.snapshot())
+                    await self.state.save_leases(self.leased)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
         finally:
+            registered.cancel()
             for sub in subs:
                 await sub.unsubscribe()
+
+    async def _keep_registered(self) -> None:
+        while True:
+            await asyncio.sleep(REGISTER_CHECK_S)
+            try:
+                lost = await self.registry.register_lost()
+            except (Unavailable, InvalidArgument) as err:  # down or restarting: the next check registers them
+                log.warning("environment service check failed: %s", err)
+                continue
+            if lost:
+                log.warning("the environment service had lost %s (restarted?); registered again", lost)
 
     async def _lease_window(self) -> None:
         g = self.cfg.grpo
@@ -81,14 +118,42 @@ class Controller:
             if not self.registry.active():
                 return
             for _ in range(g.num_prompts_per_step):
-                await self._lease(target)
+                if not await self._lease(target):
+                    return
             self.next_target = target + 1
         self._forget_consumed()
 
-    async def _lease(self, target: int, again: types_pb2.PromptGroup | None = None) -> None:
+    def snapshot(self) -> RunState:
+        entries = self.registry.all()
+        return RunState(next_target=self.next_target, releases=self.releases,
+                        offsets={e.spec.name: e.cursor.offset for e in entries},
+                        leased={e.spec.name: e.leased for e in entries})
+
+    def restore(self, state: RunState, leased: dict[str, types_pb2.PromptGroup]) -> None:
+        """Continue a run a stopped controller was leasing: same next target, each cursor where it was,
+        and the groups in flight, so the stale ones among them are leased again."""
+        self.next_target, self.releases, self.leased = state.next_target, state.releases, dict(leased)
+        for entry in self.registry.all():
+            entry.cursor.seek(state.offsets.get(entry.spec.name, 0))
+            entry.leased = state.leased.get(entry.spec.name, 0)
+        log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, state.offsets)
+
+    async def _lease(self, target: int, again: types_pb2.PromptGroup | None = None) -> bool:
+        """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
         if again is None:
             env = self.registry.choose(self.rng)
-            prompt_id, row = await env.cursor.next()
+            try:
+                prompt_id, row = await env.cursor.next()
+            except Exhausted:
+                env.proto.weight = 0  # out of the mix: grpo.max_num_epochs reached
+                log.warning("%s: grpo.max_num_epochs=%d done; no more prompts from it",
+                            env.spec.name, self.cfg.grpo.max_num_epochs)
+                if not self.registry.active():  # the trainer would wait for ever: stop the run, saying why
+                    self.fatal = (f"step {target} has no prompts left: grpo.max_num_epochs="
+                                  f"{self.cfg.grpo.max_num_epochs} are used up (dynamic sampling and stale "
+                                  f"re-leases take more prompts than the planned steps); raise max_num_epochs or "
+                                  f"lower grpo.max_num_steps")
+                return False
             group = types_pb2.PromptGroup(
                 prompt_id=f"{env.spec.name}/{prompt_id}", env_name=env.spec.name, messages=row.messages,
                 metadata=row.metadata, num_generations=self.cfg.grpo.num_generations_per_prompt,
@@ -100,11 +165,13 @@ class Controller:
         group.group_id = uuid.uuid4().hex
         group.target_step = target
         group.leased_at_unix_ns = time.time_ns()
-        with self.tracer.start_as_current_span("controller.lease", attributes={
-                "group_id": group.group_id, "target_step": target, "env": group.env_name}):
+        with self.tracer.start_as_current_span("controller.lease", attributes={  # the group's trace starts here
+                "flywheel.group_id": group.group_id, "flywheel.target_step": target,
+                "flywheel.env": group.env_name}):
             await self.bus.publish(self.bus.subjects.work, group, msg_id=group.group_id)
         self.leased[group.group_id] = group
         LEASED.labels(group.env_name).inc()
+        return True
 
     def _forget_consumed(self) -> None:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1
@@ -120,20 +187,49 @@ class Controller:
         loaded = types_pb2.WeightLoaded.FromString(msg.data)
         self.workers[loaded.worker_id] = (loaded.version, time.monotonic())
         self.wake.set()
+        if self.reporting is not None:
+            self.reporting.on_loaded(loaded.version)
 
     async def _on_step(self, msg) -> None:
-        self.trained_step = max(self.trained_step, types_pb2.StepReport.FromString(msg.data).step)
+        report = types_pb2.StepReport.FromString(msg.data)
+        # Not this run's trainer's (as replay, reports.py): a step of 2^63 - 1 overflowed every later lease.
+        if not 0 <= report.step < self.cfg.grpo.max_num_steps:
+            _warn.warning("step", "ignored a step report for step %d", report.step)
+            return
+        self.trained_step = max(self.trained_step, report.step)
         status = self.status()
         OUTSTANDING.set(status.outstanding_groups)
         LOADED.set(status.loaded_version)
         self.wake.set()
+        if self.reporting is not None:
+            await self.reporting.on_step(report)
 
     async def _on_stale(self, msg) -> None:
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
             old = self.leased.pop(gid, None)
+            self.releases += 1
             if old is not None:  # lease the same prompt for the step that is waiting for data
-                self.releases += 1
                 await self._lease(max(self.trained_step + 1, old.target_step), again=old)
+            else:
+                # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
+                # its step was filled from later steps' groups, so the run is one group short. A new prompt.
+                log.warning("group %s went stale after its lease was forgotten; leasing a new prompt", gid)
+                await self._lease(self.trained_step + 1)
+
+    async def _on_filtered(self, msg) -> None:
+        """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
+        for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+            old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
+            target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
+            self.refills[target] = self.refills.get(target, 0) + 1
+            if self.refills[target] > refill_budget(self.cfg.grpo):
+                self.fatal = (f"dynamic sampling: step {target} needed more than grpo.dynamic_sampling_max_gen_batches="
+                              f"{self.cfg.grpo.dynamic_sampling_max_gen_batches} batches of prompts to find "
+                              f"{self.cfg.grpo.num_prompts_per_step} groups whose rewards differ")
+                self.wake.set()
+                return
+            self.releases += 1
+            await self._lease(target)
 
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
@@ -154,6 +250,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def SubmitEnvironment(self, request, context):
         env = await self.c.registry.submit(request.spec)
+        if self.c.state is not None:
+            await self.c.state.save_submitted(request.spec)
         self.c.wake.set()
         return controller_pb2.SubmitEnvironmentResponse(num_prompts=env.num_prompts)
 
@@ -163,6 +261,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def RemoveEnvironment(self, request, context):
         await self.c.registry.remove(request.name)
+        if self.c.state is not None:
+            await self.c.state.forget_submitted(request.name)
         return controller_pb2.RemoveEnvironmentResponse()
 
     async def Status(self, request, context):
@@ -177,18 +277,69 @@ def spec_from_config(spec: EnvironmentSpec) -> controller_pb2.EnvironmentSpec:
         sampling=types_pb2.SamplingParams(**spec.sampling.model_dump()))
 
 
+def refill_budget(g) -> int:
+    """Extra prompts one step may lease: dynamic_sampling_max_gen_batches counts the first batch too."""
+    return (g.dynamic_sampling_max_gen_batches - 1) * g.num_prompts_per_step
+
+
+async def submit_data(cfg: FlywheelConfig, registry: Registry, data: LoadedData) -> None:
+    """Each data.train dataset joins the mix under its env_name, its rows in NeMo RL's epoch order."""
+    g = cfg.grpo
+    for i, prompts in enumerate(data.train):
+        name = prompts.env_name if len(data.train) == 1 else f"{prompts.env_name}-{i}"
+        cursor = EpochCursor(prompts.rows, prompts_per_step=g.num_prompts_per_step, epochs=g.max_num_epochs,
+                             seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        await registry.submit(controller_pb2.EnvironmentSpec(name=name, kind=prompts.env_name, weight=1.0), cursor)
+
+
+async def resubmit(registry: Registry, state: StateStore) -> None:
+    """The environments clients submitted before a restart join the mix again (their cursors are restored with
+    the rest of the run state). One that no longer validates (e.g. its remote is gone) is dropped, loudly; an
+    environment service that does not answer raises (the controller exits, and its supervisor retries)."""
+    for spec in await state.load_submitted():
+        try:
+            await registry.submit(spec)
+        except (InvalidArgument, AlreadyExists) as err:
+            log.error("the submitted environment %r cannot rejoin the mix and is dropped: %s", spec.name, err)
+            await state.forget_submitted(spec.name)
+
+
+def _validation(cfg: FlywheelConfig, data: LoadedData, tracker: Tracker) -> ValidationLoop | None:
+    """Validation over data.validation (and split_validation_size hold-outs); None when there is none."""
+    prompts = validation_prompts(cfg, data.validation)
+    if not prompts:
+        return None
+    a = cfg.addresses
+    validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(channel(a.rollout, security=cfg.security)),
+                          environment_pb2_grpc.EnvironmentServiceStub(channel(a.environment, security=cfg.security)),
+                          n=cfg.grpo.val_num_generations_per_prompt)
+    return ValidationLoop(cfg, validator, tracker)
+
+
 async def serve(cfg: FlywheelConfig) -> None:
     setup_telemetry("controller", cfg.run.name, cfg.telemetry)
     bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="controller")
     registry = Registry(cfg)
+    data = load_data(cfg)
     for spec in cfg.environments:
         await registry.submit(spec_from_config(spec))
-    controller = Controller(cfg, bus, registry)
+    await submit_data(cfg, registry, data)
+    state = await StateStore.open(bus.js, cfg.run.name)
+    await resubmit(registry, state)
+    tracker = Tracker(cfg)
+    reporting = Reporting(cfg, tracker, _validation(cfg, data, tracker),
+                          replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
+    controller = Controller(cfg, bus, registry, reporting, state)
+    saved = await state.load()
+    if saved is not None:
+        controller.restore(saved, await state.load_leases())
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(
                               ControllerServicer(controller), server), controller.run,
-                          interceptors=auth.interceptors(cfg.controller.auth_token))
+                          interceptors=auth.interceptors(cfg.controller.auth_token),
+                          security=cfg.security, public=auth.PUBLIC)
     finally:
+        await reporting.close()
         await registry.close()
         await bus.close()

@@ -10,6 +10,7 @@ that names the environment and the field, so the client sees a clear INVALID_ARG
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import random
@@ -19,10 +20,12 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.config import FlywheelConfig
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
+from services.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
+                                    require)
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import channel
-from services.controller.datasets import Cursor, load_jsonl
+from services.controller.data import DataError, load_rows
+from services.controller.datasets import Cursor, EpochCursor
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
 ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -62,7 +65,7 @@ class Entry:
 class Registry:
     def __init__(self, cfg: FlywheelConfig) -> None:
         self.cfg = cfg
-        self._channel = channel(cfg.addresses.environment)
+        self._channel = channel(cfg.addresses.environment, security=cfg.security)
         self.env = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
         self.entries: dict[str, Entry] = {}
         self._pending: set[str] = set()  # names being submitted: a concurrent duplicate is refused at once
@@ -77,23 +80,22 @@ class Registry:
         active = self.active()
         return rng.choices(active, weights=[e.proto.weight for e in active])[0]
 
-    async def submit(self, spec: controller_pb2.EnvironmentSpec) -> Entry:
+    async def submit(self, spec: controller_pb2.EnvironmentSpec, cursor: EpochCursor | None = None) -> Entry:
+        """`cursor`: data.train rows the controller read itself (the spec then names no dataset)."""
         validate(spec)
         if spec.name in self.entries or spec.name in self._pending:
             raise AlreadyExists(f"environment {spec.name!r} is already in the mix; remove it first "
                                 f"(flywheel env remove {spec.name}) or pick another name")
         self._pending.add(spec.name)
         try:
-            return await self._add(spec)
+            return await self._add(spec, cursor)
         finally:
             self._pending.discard(spec.name)
 
-    async def _add(self, spec: controller_pb2.EnvironmentSpec) -> Entry:
-        await self._call(spec.name, self.env.Register(environment_pb2.RegisterRequest(
-            name=spec.name, kind=spec.kind, address=spec.address, timeout_seconds=spec.timeout_seconds),
-            timeout=30, wait_for_ready=True))
+    async def _add(self, spec: controller_pb2.EnvironmentSpec, data: EpochCursor | None) -> Entry:
+        await self._register(spec)
         try:
-            cursor, count = await self._dataset(spec)
+            cursor, count = (data, len(data.rows)) if data is not None else await self._dataset(spec)
         except BaseException:
             with contextlib.suppress(grpc.aio.AioRpcError):  # the dataset error is the one to report
                 await self.env.Unregister(environment_pb2.UnregisterRequest(name=spec.name), timeout=15)
@@ -106,11 +108,29 @@ class Registry:
         self.entries[spec.name] = entry
         return entry
 
+    async def register_lost(self) -> list[str]:
+        """Registers again each environment of the mix the environment service does not list (it keeps
+        registrations in memory, so a restarted one has forgotten them); returns their names."""
+        listed = await self._call("*", self.env.List(environment_pb2.ListRequest(), timeout=5))
+        lost = [e.spec for e in self.all() if e.spec.name not in listed.registered]
+        for spec in lost:
+            if spec.name in self.entries:  # not removed meanwhile
+                await self._register(spec)
+        return [spec.name for spec in lost]
+
+    async def _register(self, spec: controller_pb2.EnvironmentSpec) -> None:
+        await self._call(spec.name, self.env.Register(environment_pb2.RegisterRequest(
+            name=spec.name, kind=spec.kind, address=spec.address, timeout_seconds=spec.timeout_seconds),
+            timeout=30, wait_for_ready=True))
+
     async def remove(self, name: str) -> None:
         """Stops leasing from `name` now; the environment service keeps serving groups already leased."""
         if name not in self.entries:
             known = ", ".join(sorted(self.entries)) or "none"
             raise NotFound(f"no environment named {name!r} in the mix (environments: {known})")
+        if self.entries[name].proto.weight > 0 and len(self.active()) == 1:
+            raise FailedPrecondition(f"{name!r} is the only environment the run draws prompts from; removing it "
+                                     "would starve the run: submit another one first")
         del self.entries[name]
         await self._call(name, self.env.Unregister(environment_pb2.UnregisterRequest(name=name), timeout=15))
 
@@ -119,8 +139,10 @@ class Registry:
             return Cursor(rows=list(spec.rows)), len(spec.rows)
         if spec.jsonl_path:
             try:
-                rows = load_jsonl(spec.jsonl_path)
-            except InvalidArgument as err:
+                # In a thread: a path that names a hub dataset waits on the network (~25 s of retries offline),
+                # and the controller's leases and rpcs must not wait with it.
+                rows = await asyncio.to_thread(load_rows, spec.jsonl_path)
+            except DataError as err:
                 raise InvalidArgument(f"environment {spec.name!r}: {err}") from None
             return Cursor(rows=rows), len(rows)
 

@@ -132,11 +132,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_environment(kind: str) -> Environment:
-    """A new built-in environment of `kind`, with its default settings."""
+def make_environment(kind: str, settings: dict[str, dict] | None = None) -> Environment:
+    """A new built-in environment of `kind`, with `settings[kind]` (the config's env.<kind>) as keyword arguments."""
     builtin = _builtin()
     if kind not in builtin:
         raise UnknownEnvironment(
             f"unknown environment kind {kind!r}; built-in kinds are: {', '.join(sorted(builtin))}"
         )
-    return builtin[kind]()
+    return builtin[kind](**(settings or {}).get(kind, {}))

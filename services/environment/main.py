@@ -11,6 +11,7 @@ from services.environment.server import EnvironmentServicer
 
 async def serve(cfg: FlywheelConfig) -> None:
     setup_telemetry("environment", cfg.run.name, cfg.telemetry)
-    servicer = EnvironmentServicer()
+    servicer = EnvironmentServicer(settings=cfg.env.model_dump())
     await run_service("environment", cfg.addresses.environment,
-                      lambda server: environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server))
+                      lambda server: environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server),
+                      security=cfg.security)

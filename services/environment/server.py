@@ -16,21 +16,31 @@ import re
 import time
 
 from google.protobuf import json_format
+from opentelemetry import trace
 
-from services.common.errors import InvalidArgument, NotFound, require
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, require
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
 from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
+tracer = trace.get_tracer("flywheel.environment")
 RETIRED_GRACE_S = 600.0
 """How long an unregistered environment still serves Step for groups leased before its removal."""
+MAX_TIMEOUT_S = 86400.0
+"""A remote's per-call deadline, at most. gRPC cannot represent one past ~292 years (inf, 1e10) and fails such
+a call at once with DEADLINE_EXCEEDED: every Prompts of the remote would have been UNAVAILABLE."""
 
 
 def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
     conversations = [[{"role": m.role, "content": m.content} for m in e.messages] for e in request.episodes]
-    metadata = [from_struct(e.metadata) for e in request.episodes]
+    metadata = []
+    for i, e in enumerate(request.episodes):
+        try:
+            metadata.append(from_struct(e.metadata))
+        except ValueError as err:  # a Struct number that JSON cannot hold (nan, inf)
+            raise InvalidArgument(f"episodes[{i}].metadata: {err}") from None
     return conversations, metadata
 
 
@@ -44,10 +54,17 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
     return out
 
 
+def _prompts(env: Environment, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
+    rows = env.prompts(request.count, request.seed, request.offset) or []
+    return environment_pb2.PromptsResponse(rows=[json_format.ParseDict(r, types_pb2.DatasetRow()) for r in rows])
+
+
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     """Named environments: built-ins by kind (always available under their kind) and registered names."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, dict] | None = None) -> None:
+        self.settings = settings or {}
+        """Keyword arguments of each built-in kind (the config's env section, e.g. {"math": {"num_workers": 8}})."""
         self.named: dict[str, Environment | RemoteEnvironment] = {}
         self.sources: dict[str, str] = {}
         self.retired: dict[str, tuple[Environment | RemoteEnvironment, float]] = {}  # name -> (env, retired at)
@@ -58,7 +75,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         if name in self.retired and time.monotonic() - self.retired[name][1] <= RETIRED_GRACE_S:
             return self.retired[name][0]
         try:
-            self.named[name] = make_environment(name)
+            self.named[name] = make_environment(name, self.settings)
         except UnknownEnvironment as err:
             raise NotFound(f"no environment named {name!r}: {err}") from None
         self.sources[name] = f"builtin:{name}"
@@ -68,21 +85,32 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         require(request.env_name != "", "env_name is required")
         require(len(request.episodes) > 0, "episodes must not be empty")
         env = self._resolve(request.env_name)
-        if isinstance(env, RemoteEnvironment):
-            results = await env.step(request, budget_s=context.time_remaining())
-        else:
-            conversations, metadata = decode_episodes(request)
-            results = await asyncio.to_thread(env.step, conversations, metadata,
-                                              return_extracted_answer=request.return_extracted_answer)
+        # A child of the caller's span (the rollout group's trace) when the call carries a traceparent.
+        with tracer.start_as_current_span("environment.step", attributes={
+                "flywheel.env": request.env_name, "flywheel.episodes": len(request.episodes)}) as span:
+            if isinstance(env, RemoteEnvironment):
+                results = await env.step(request, budget_s=context.time_remaining())
+            else:
+                conversations, metadata = decode_episodes(request)
+                results = await asyncio.to_thread(env.step, conversations, metadata,
+                                                  return_extracted_answer=request.return_extracted_answer)
+            span.set_attribute("flywheel.reward_mean", sum(r.reward for r in results) / max(1, len(results)))
         return environment_pb2.StepResponse(results=[encode_result(r) for r in results])
 
     async def Register(self, request, context):
         require(bool(NAME.match(request.name)), f"name must match {NAME.pattern}, got {request.name!r}")
         require(bool(request.kind) != bool(request.address), "set exactly one of kind or address")
-        require(request.timeout_seconds >= 0, f"timeout_seconds must be >= 0, got {request.timeout_seconds}")
+        require(0 <= request.timeout_seconds <= MAX_TIMEOUT_S,
+                f"timeout_seconds must be in [0, {MAX_TIMEOUT_S:g}], got {request.timeout_seconds}")
+        current = self.sources.get(request.name)
+        if current is not None and current == (f"builtin:{request.kind}" if request.kind else request.address):
+            return environment_pb2.RegisterResponse()  # already so (a restarted controller registers again)
+        if current is not None:
+            raise AlreadyExists(f"environment {request.name!r} is registered to {current}; a Register for another "
+                                "source does not replace it (Unregister it first)")
         if request.kind:
             try:
-                env = make_environment(request.kind)
+                env = make_environment(request.kind, self.settings)
             except UnknownEnvironment as err:
                 raise InvalidArgument(str(err)) from None
             source = f"builtin:{request.kind}"
@@ -126,5 +154,5 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         env = self._resolve(request.env_name)
         if isinstance(env, RemoteEnvironment):
             return await env.prompts(request)
-        rows = env.prompts(request.count, request.seed, request.offset) or []
-        return environment_pb2.PromptsResponse(rows=[json_format.ParseDict(r, types_pb2.DatasetRow()) for r in rows])
+        # In a worker thread, as Step: 100,000 generated rows take seconds, and Step calls must not wait for them.
+        return await asyncio.to_thread(_prompts, env, request)

@@ -23,8 +23,9 @@ from services.common.config import FlywheelConfig, load_config
 from services.common.logs import event, setup_logging
 from services.common.server import run_service
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.replay.ingest import Ingest
-from services.replay.server import ReplayServicer, register
+from services.replay.ingest import Ingest, Stored
+from services.replay.reports import TrainerReports
+from services.replay.server import SAMPLE_HOLD_S, ReplayServicer, RunShape, register
 from services.replay.store import ReplayStore
 
 
@@ -34,24 +35,34 @@ class Replay:
 
     store: ReplayStore
     ingest: Ingest
+    reports: TrainerReports
     servicer: ReplayServicer
 
     def register(self, server: grpc.aio.Server) -> None:
         register(self.servicer, server)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Ingest, the trainer's step reports and the stale outbox, until `stop` is set."""
+        await asyncio.gather(self.ingest.run(stop), self.reports.run(stop), self.servicer.announce_stale_until(stop))
 
 
 @asynccontextmanager
 async def open_replay(cfg: FlywheelConfig) -> AsyncIterator[Replay]:
     """Connect to Redis and NATS and build the parts; closes both clients on exit."""
     async with AsyncExitStack() as stack:
-        redis = Redis.from_url(cfg.addresses.redis_url)
+        redis = Redis.from_url(cfg.addresses.redis_url, password=cfg.security.redis_password.get_secret_value() or None)
         stack.push_async_callback(redis.aclose)
-        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="replay")
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="replay", security=cfg.security)
         stack.push_async_callback(bus.close)
         store = ReplayStore(redis, cfg.run.name, tombstone_ttl_s=cfg.replay.tombstone_ttl_s)
         space = asyncio.Event()  # Sample -> ingest: buffer room was freed
-        yield Replay(store=store, ingest=Ingest(bus, store, cfg.replay, space),
-                     servicer=ReplayServicer(store, bus, cfg.replay, space))
+        stored = Stored()  # ingest -> Sample: new groups are in Redis
+        run = RunShape(prompts_per_step=cfg.grpo.num_prompts_per_step, max_staleness=cfg.grpo.max_staleness)
+        ingest = Ingest(bus, store, cfg.replay, space, drop_zero_variance=cfg.grpo.use_dynamic_sampling,
+                        stored=stored)
+        yield Replay(store=store, ingest=ingest, reports=TrainerReports(bus, store),
+                     servicer=ReplayServicer(store, bus, cfg.replay, space, run=run, stored=stored,
+                                             hold_s=SAMPLE_HOLD_S))
 
 
 async def serve(cfg: FlywheelConfig) -> None:
@@ -62,7 +73,8 @@ async def serve(cfg: FlywheelConfig) -> None:
         async with open_replay(cfg) as replay:
             event(log, "replay starting", address=cfg.addresses.replay, capacity=cfg.replay.capacity_groups,
                   selection=cfg.replay.selection)
-            await run_service("replay", cfg.addresses.replay, replay.register, replay.ingest.run)
+            await run_service("replay", cfg.addresses.replay, replay.register, replay.run,
+                              security=cfg.security)
     finally:
         shutdown_telemetry()
 

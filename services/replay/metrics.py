@@ -12,6 +12,8 @@ BUFFER_GROUPS = Gauge("flywheel_replay_buffer_groups", "Stored, not yet chosen t
 INGESTED = Counter("flywheel_replay_ingested_groups_total", "Trajectory groups stored (duplicates excluded).")
 DUPLICATES = Counter("flywheel_replay_duplicate_groups_total", "Redelivered or republished groups ignored.")
 DEAD_LETTERS = Counter("flywheel_replay_dead_letters_total", "Malformed messages sent to the dead-letter subject.")
+FILTERED = Counter("flywheel_replay_filtered_groups_total",
+                   "Groups not stored because their rewards were all equal (dynamic sampling).")
 STALE_DROPPED = Counter("flywheel_replay_stale_dropped_total", "Groups evicted because they exceeded max_staleness.")
 SAMPLE_SECONDS = Histogram("flywheel_replay_sample_seconds", "Latency of Sample, store round trip included.",
                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))

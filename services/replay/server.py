@@ -1,7 +1,11 @@
 """The ReplayService gRPC servicer: validate, call the store, encode. No buffer logic here.
 
 Sample also tells the controller about evicted groups (StaleGroups on the run's `stale`
-subject) so it leases their prompts again, and wakes ingest when it freed buffer room.
+subject, in JetStream, so none is lost while the controller is down) so it leases their
+prompts again, and wakes ingest when it freed buffer room. The eviction itself puts the ids
+in a Redis outbox in the same atomic script, and they leave it only once published, so a
+replay killed between the two announces them after its restart (`announce_stale`). With the run's shape (`RunShape`),
+Sample and Commit are also checked against the trainer's reported progress (store `in_order`).
 Sample answers with pre-encoded bytes: the stored group bytes are spliced into the
 response without being parsed (`encode_sample_response`; `sample_response` is the slow,
 obvious reference it is tested against), so `register` installs a pass-through serializer.
@@ -10,43 +14,112 @@ obvious reference it is tested against), so `register` installs a pass-through s
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from services.common.bus import Bus
 from services.common.config import ReplayConfig
-from services.common.errors import InvalidArgument, require
+from services.common.errors import FailedPrecondition, InvalidArgument, require
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, types_pb2
+from services.replay.ingest import Stored
 from services.replay.metrics import BUFFER_GROUPS, CHOSEN_STALENESS, SAMPLE_SECONDS, STALE_DROPPED
-from services.replay.store import ReplayStore, SampleResult, StepCommitted, StoreStats
+from services.replay.store import OutOfOrder, ReplayStore, SampleResult, StepCommitted, StoreStats
+
+
+log = logging.getLogger("flywheel.replay")
+ANNOUNCE_S = 1.0
+"""How often the stale outbox is checked besides after each Sample (a publish that failed is retried)."""
+REPORT_WAIT_S = 5.0
+"""How long Commit waits for the step report that covers it (it may trail the Commit on another connection)."""
+REPORT_POLL_S = 0.05
+SAMPLE_HOLD_S = 0.5
+"""How long the service's Sample holds a not-ready answer while it waits for ingest to store groups (it
+answers as soon as the batch is ready): the trainer waits on this instead of polling replay and Redis."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunShape:
+    """The batches this run's trainer asks for (its grpo config); Sample requests of another shape are refused."""
+
+    prompts_per_step: int
+    max_staleness: int
 
 
 class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
+    """`run`: the run this replay serves. With it, Sample and Commit are checked against the run's
+    shape and the trainer's reported progress; without it (tests of the buffer alone), they are not."""
+
     def __init__(self, store: ReplayStore, bus: Bus | None, cfg: ReplayConfig,
-                 space: asyncio.Event | None = None) -> None:
+                 space: asyncio.Event | None = None, *, run: RunShape | None = None,
+                 stored: Stored | None = None, hold_s: float = 0.0) -> None:
+        """`stored` (fired by ingest) and `hold_s`: a Sample that is not ready samples again after each write
+        that stored groups, for up to `hold_s` seconds, before it answers not ready; 0 answers at once."""
         self.store = store
         self.bus = bus
         self.cfg = cfg
         self.space = space or asyncio.Event()
+        self.run = run
+        self.stored = stored or Stored()
+        self.hold_s = hold_s
+        self._announcing = asyncio.Lock()  # one publisher of the outbox at a time: no id announced twice
 
     async def Sample(self, request: replay_pb2.SampleRequest, context: grpc.aio.ServicerContext) -> bytes:
-        check_sample_request(request)
+        check_sample_request(request, self.run)
+        hold = time.monotonic() + self.hold_s
+        while True:
+            seen = self.stored.count  # before the read: a group stored during it ends the wait below at once
+            result = await self._sample(request)
+            left = hold - time.monotonic()
+            if result.ready or left <= 0:
+                return encode_sample_response(result)
+            await self.stored.wait(seen, left)
+
+    async def _sample(self, request: replay_pb2.SampleRequest) -> SampleResult:
         with SAMPLE_SECONDS.time():
             try:
                 result = await self.store.sample(request.step, request.prompts_per_step, request.max_staleness,
-                                                 self.cfg.selection)
+                                                 self.cfg.selection, in_order=self.run is not None)
             except StepCommitted as err:
                 raise InvalidArgument(str(err)) from None
+            except OutOfOrder as err:
+                raise FailedPrecondition(str(err)) from None
         if result.stale_ids:
             STALE_DROPPED.inc(len(result.stale_ids))
-            if self.bus is not None:
-                await self.bus.emit(self.bus.subjects.stale, types_pb2.StaleGroups(group_ids=result.stale_ids))
+            await self.announce_stale()
         if result.stale_ids or (result.ready and not result.replayed):
             self.space.set()
         for version in result.versions:
             CHOSEN_STALENESS.observe(request.step - version)
-        return encode_sample_response(result)
+        return result
+
+    async def announce_stale(self) -> None:
+        """Publish the outbox's evicted ids to the controller, then trim them from it. Through JetStream (with
+        a dedup id), so a re-lease survives the controller being down."""
+        if self.bus is None:
+            return
+        async with self._announcing:
+            ids = await self.store.stale_outbox()
+            if not ids:
+                return
+            log.info("stale groups evicted: %s", " ".join(ids))
+            await self.bus.publish(self.bus.subjects.stale, types_pb2.StaleGroups(group_ids=ids),
+                                   msg_id=f"stale:{ids[0]}:{len(ids)}")
+            await self.store.trim_stale_outbox(len(ids))
+
+    async def announce_stale_until(self, stop: asyncio.Event) -> None:
+        """Announce what a crash (or a failed publish) left in the outbox, at start and then every ANNOUNCE_S."""
+        while not stop.is_set():
+            try:
+                await self.announce_stale()
+            except Exception as err:  # Redis or NATS restarting: the outbox keeps the ids
+                log.warning("stale groups not announced yet: %s", err)
+            try:
+                await asyncio.wait_for(stop.wait(), ANNOUNCE_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def Stats(self, request: replay_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> replay_pb2.StatsResponse:
@@ -57,13 +130,27 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     async def Commit(self, request: replay_pb2.CommitRequest, context: grpc.aio.ServicerContext
                      ) -> replay_pb2.CommitResponse:
         require(request.step >= 0, f"step must be >= 0, got {request.step}")
-        return replay_pb2.CommitResponse(deleted_groups=await self.store.commit(request.step))
+        if self.run is None:
+            return replay_pb2.CommitResponse(deleted_groups=await self.store.commit(request.step))
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            try:
+                return replay_pb2.CommitResponse(deleted_groups=await self.store.commit(request.step, in_order=True))
+            except OutOfOrder as err:
+                if err.reason != "not checkpointed" or time.monotonic() >= deadline:
+                    raise FailedPrecondition(f"Commit refused, nothing deleted: {err}") from None
+            await asyncio.sleep(REPORT_POLL_S)  # the step report that covers it may still be on its way
 
 
-def check_sample_request(request: replay_pb2.SampleRequest) -> None:
+def check_sample_request(request: replay_pb2.SampleRequest, run: RunShape | None = None) -> None:
     require(request.step >= 0, f"step must be >= 0, got {request.step}")
     require(request.prompts_per_step > 0, f"prompts_per_step must be > 0, got {request.prompts_per_step}")
     require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
+    if run is not None and (request.prompts_per_step, request.max_staleness) != (run.prompts_per_step,
+                                                                                  run.max_staleness):
+        raise FailedPrecondition(f"this run samples prompts_per_step={run.prompts_per_step} with "
+                                 f"max_staleness={run.max_staleness}; got {request.prompts_per_step} and "
+                                 f"{request.max_staleness}")
 
 
 def register(servicer: ReplayServicer, server: grpc.aio.Server) -> None:

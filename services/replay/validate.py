@@ -44,3 +44,9 @@ def check_group(group: types_pb2.TrajectoryGroup) -> None:
     # Staleness is measured from this field; a wrong value would let stale data through.
     if group.version_start != oldest:
         raise Malformed(f"version_start {group.version_start} is not the oldest completion version {oldest}")
+
+
+def zero_variance(group: types_pb2.TrajectoryGroup) -> bool:
+    """All completions scored alike: GRPO's advantages are all zero, so DAPO's dynamic sampling drops it."""
+    rewards = [c.reward for c in group.completions]
+    return len(set(rewards)) <= 1

@@ -4,34 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
+import time
 import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from processes import processes_mentioning
+from recorded import recorded_batches
 from services.common.config import load_config
-from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc
-from services.local import LocalStack
+from services.local import INFRA, LocalStack, read_metrics
 
 STEPS = 50
 
 
-async def _batches(address: str, steps: int, per_step: int, k: int) -> list[replay_pb2.SampleResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = replay_pb2_grpc.ReplayServiceStub(channel)
-        return [await stub.Sample(replay_pb2.SampleRequest(step=s, prompts_per_step=per_step, max_staleness=k))
-                for s in range(steps)]
-
-
 @pytest.mark.slow
 def test_services_learn_toy_task_with_version_tags_and_no_group_used_twice(tmp_path):
-    cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "grpo.max_staleness=1"])
+    # No checkpoints: the ledger below reads every step's batch back, and a committed checkpoint frees them.
+    cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "grpo.async_grpo.max_trajectory_age_steps=1",
+                             "checkpointing.enabled=false"])
     with LocalStack(cfg, tmp_path) as stack:
         stack.start_services()
         rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=600)
+        batches = asyncio.run(recorded_batches(stack, STEPS))
         g = stack.cfg.grpo
-        batches = asyncio.run(_batches(stack.cfg.addresses.replay, STEPS, g.num_prompts_per_step, g.max_staleness))
 
     first = sum(r["train/reward_mean"] for r in rows[:10]) / 10
     last = sum(r["train/reward_mean"] for r in rows[-10:]) / 10
@@ -67,7 +66,31 @@ def test_every_service_answers_health_checks_serves_metrics_and_stops_on_sigterm
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             assert "flywheel_" in body, f"{name} exports no flywheel_ metrics"
         for name, proc in stack.children.procs.items():
+            if name in INFRA:
+                continue
             assert proc.poll() is None, f"{name} exited early:\n{stack.children.tail(name)}"
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=5)  # raises TimeoutExpired if the service does not stop in time
             assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{stack.children.tail(name)}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_flywheel_up_stopped_by_a_signal_leaves_no_process_behind(tmp_path, sig):
+    """Ctrl-C and SIGTERM stop the run through its cleanup; even SIGKILL, which skips it, orphans nothing
+    (every child dies with the launcher)."""
+    run_dir = tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
+                           "grpo.max_num_steps=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while len(read_metrics(run_dir)) < 2:  # every service up and training
+        assert up.poll() is None and time.monotonic() < deadline, "flywheel up did not start training"
+        time.sleep(0.5)
+    assert len(processes_mentioning(str(run_dir))) >= 7, "NATS, Redis and five services"
+    up.send_signal(sig)
+    code = up.wait(timeout=60)
+    deadline = time.monotonic() + 15  # SIGKILL'd children are reaped by init, not at once
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(str(run_dir)), "a process outlived flywheel up"
+    assert code == {signal.SIGINT: 130, signal.SIGTERM: 130, signal.SIGKILL: -9}[sig]
+

@@ -12,21 +12,37 @@ from services.common.config import FlywheelConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import ErrorInterceptor
+from services.common.bus import Bus
+from services.controller.main import resubmit
 from services.controller.registry import Registry
+from services.controller.state import StateStore
 from services.environment.server import EnvironmentServicer
 
 
-@pytest.fixture
-async def registry():
+async def serve_environment(port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """An environment service with nothing registered, on `port` (a free one for 0)."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    reg = Registry(FlywheelConfig.model_validate({"addresses": {"environment": f"127.0.0.1:{port}"},
-                                                  "grpo": {"max_rollout_turns": 3}}))
+    return server, port
+
+
+@pytest.fixture
+async def environment_service():
+    """[server, port]; a test may replace the server (a restart)."""
+    running = list(await serve_environment())
+    yield running
+    await running[0].stop(0)
+
+
+@pytest.fixture
+async def registry(environment_service):
+    reg = Registry(FlywheelConfig.model_validate({"addresses": {"environment": f"127.0.0.1:{environment_service[1]}"},
+                                                  "grpo": {"max_rollout_turns": 3},
+                                                  "environments": [{"name": "toy", "kind": "toy_copy"}]}))
     yield reg
     await reg.close()
-    await server.stop(0)
 
 
 def rows(n: int) -> list[types_pb2.DatasetRow]:
@@ -71,13 +87,24 @@ async def test_unreachable_address_is_invalid_argument(registry):
         await registry.submit(controller_pb2.EnvironmentSpec(name="gone", address="127.0.0.1:1", rows=rows(1)))
 
 
+async def test_a_timeout_grpc_cannot_represent_is_invalid_argument(registry, faulty_remote):
+    """Found by tests/integration/security/test_fuzz.py: gRPC fails a call with a deadline 1e10 s away at once."""
+    with pytest.raises(InvalidArgument, match=r"'slow': timeout_seconds must be in \[0, 86400\], got 1000000"):
+        await registry.submit(controller_pb2.EnvironmentSpec(name="slow", address=faulty_remote.address,
+                                                             rows=rows(1), timeout_seconds=1e10))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # the controller refuses inf itself; a client may not
+        await registry.env.Register(environment_pb2.RegisterRequest(name="slow", address=faulty_remote.address,
+                                                                    timeout_seconds=float("inf")))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and registry.all() == []
+
+
 async def test_empty_dataset_is_invalid_argument_and_leaves_nothing_registered(registry, faulty_remote, tmp_path):
     with pytest.raises(InvalidArgument, match=r"'m' has an empty dataset: give rows or jsonl_path"):
         await registry.submit(controller_pb2.EnvironmentSpec(name="m", kind="math", weight=1.0))
     with pytest.raises(InvalidArgument, match=r"'r' has an empty dataset"):
         await registry.submit(controller_pb2.EnvironmentSpec(name="r", address=faulty_remote.address, weight=1.0))
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(InvalidArgument, match=r"environment 'e': dataset .*empty.jsonl' is empty"):
+    with pytest.raises(InvalidArgument, match=r"environment 'e': dataset: .*empty.jsonl: the dataset is empty"):
         await registry.submit(controller_pb2.EnvironmentSpec(name="e", kind="math",
                                                              jsonl_path=str(tmp_path / "empty.jsonl")))
     listed = await registry.env.List(environment_pb2.ListRequest())
@@ -91,3 +118,44 @@ async def test_remove_stops_choice_and_an_unknown_name_is_not_found(registry):
     assert {registry.choose(random.Random(s)).spec.name for s in range(20)} == {"b"}
     with pytest.raises(NotFound, match=r"no environment named 'a' in the mix \(environments: b\)"):
         await registry.remove("a")
+
+
+async def test_a_restarted_environment_service_gets_the_mix_registered_again(registry, environment_service,
+                                                                              faulty_remote):
+    """The environment service keeps registrations in memory; the controller notices and registers them again."""
+    await registry.submit(controller_pb2.EnvironmentSpec(name="calc", address=faulty_remote.address, rows=rows(2)))
+    await registry.submit(controller_pb2.EnvironmentSpec(name="toy", kind="toy_copy", weight=1.0))
+    assert await registry.register_lost() == [], "nothing is lost while the service runs"
+
+    server, port = environment_service
+    await server.stop(0)
+    environment_service[0], _ = await serve_environment(port)  # as empty as a new process would start
+    assert sorted(await registry.register_lost()) == ["calc", "toy"]
+    listed = await registry.env.List(environment_pb2.ListRequest(), timeout=5)
+    assert dict(listed.registered) == {"calc": faulty_remote.address, "toy": "builtin:toy_copy"}
+    assert await registry.register_lost() == []
+
+
+async def test_registering_the_same_source_again_is_a_no_op(registry):
+    request = environment_pb2.RegisterRequest(name="toy", kind="toy_copy")
+    await registry.env.Register(request, timeout=5)
+    await registry.env.Register(request, timeout=5)  # a restarted controller does this
+    with pytest.raises(grpc.aio.AioRpcError, match="ALREADY_EXISTS"):
+        await registry.env.Register(environment_pb2.RegisterRequest(name="toy", kind="math"), timeout=5)
+
+
+async def test_a_restarted_controller_has_the_submitted_environments_in_its_mix_again(registry, nats_server):
+    bus = await Bus.connect(nats_server.url, "resubmit")
+    try:
+        store = await StateStore.open(bus.js, "resubmit")
+        await store.save_submitted(controller_pb2.EnvironmentSpec(name="late", kind="toy_copy", rows=rows(3), weight=2))
+        await store.save_submitted(controller_pb2.EnvironmentSpec(name="gone", address="127.0.0.1:1", rows=rows(1)))
+        await store.save_submitted(controller_pb2.EnvironmentSpec(name="removed", kind="toy_copy", rows=rows(1)))
+        await store.forget_submitted("removed")
+
+        await resubmit(registry, await StateStore.open(bus.js, "resubmit"))  # what a restarted controller reads
+        assert [e.spec.name for e in registry.all()] == ["late"]
+        assert registry.all()[0].num_prompts == 3 and registry.all()[0].proto.weight == 2
+        assert [s.name for s in await store.load_submitted()] == ["late"], "the unreachable one is dropped"
+    finally:
+        await bus.close()

@@ -17,6 +17,7 @@ import pytest
 
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import controller_pb2, replay_pb2, replay_pb2_grpc, types_pb2
+from services.common.server import channel
 from services.controller.client import ControllerClient
 from services.local import LocalStack
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     cfg = load_config(None, ["grpo.max_num_steps=1000", "grpo.num_prompts_per_step=4",
-                             "grpo.num_generations_per_prompt=4", "grpo.max_staleness=1",
+                             "grpo.num_generations_per_prompt=4", "grpo.async_grpo.max_trajectory_age_steps=1",
                              f"controller.auth_token={TOKEN}"])
     with LocalStack(cfg, tmp_path_factory.mktemp("run")) as stack:
         stack.start_services()
@@ -125,8 +126,8 @@ def test_submitted_remote_env_trains_and_stops_after_remove(stack):
 
 async def sampled_groups(stack: LocalStack, step: int) -> list[types_pb2.TrajectoryGroup]:
     g = stack.cfg.grpo
-    async with grpc.aio.insecure_channel(stack.cfg.addresses.replay) as channel:  # step was sampled: replayed as is
-        response = await replay_pb2_grpc.ReplayServiceStub(channel).Sample(replay_pb2.SampleRequest(
+    async with channel(stack.cfg.addresses.replay, security=stack.cfg.security) as ch:  # sampled: replayed as is
+        response = await replay_pb2_grpc.ReplayServiceStub(ch).Sample(replay_pb2.SampleRequest(
             step=step, prompts_per_step=g.num_prompts_per_step, max_staleness=g.max_staleness), timeout=20)
     return list(response.groups)
 

@@ -11,13 +11,16 @@ import sys
 import yaml
 from redis.asyncio import Redis
 
-from conftest import running_replay, until
+from conftest import running_replay, until, with_grpo
 from groups import make_group
 from services.common.infra import free_port, start_redis
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc
 from services.common.server import channel
 from services.replay.ingest import CONSUMER
 from services.replay.store import key_prefix
+
+
+NEVER_STALE = 1 << 20
 
 
 def start_service(cfg, config_file) -> subprocess.Popen:
@@ -30,7 +33,7 @@ async def sample_everything(stub, total: int, per_step: int) -> list[str]:
     """Ask steps 0, 1, ... until every group has been handed out; returns ids in batch order."""
     seen: list[str] = []
     for step in range(total // per_step):
-        request = replay_pb2.SampleRequest(step=step, prompts_per_step=per_step, max_staleness=1 << 20)
+        request = replay_pb2.SampleRequest(step=step, prompts_per_step=per_step, max_staleness=NEVER_STALE)
         batch = await stub.Sample(request)
         assert batch.ready
         seen += [g.group_id for g in batch.groups]
@@ -41,6 +44,7 @@ async def test_replay_service_kill_9_mid_ingest_loses_and_duplicates_nothing(cfg
     total = 240
     cfg = cfg.model_copy(update={"addresses": cfg.addresses.model_copy(update={"replay": f"127.0.0.1:{free_port()}"}),
                                  "replay": cfg.replay.model_copy(update={"fetch_batch": 8})})
+    cfg = with_grpo(cfg, num_prompts_per_step=16, max_staleness=NEVER_STALE)
     ids = [f"g{i:03d}" for i in range(total)]
     for gid in ids:
         await bus.publish(bus.subjects.trajectories, make_group(gid, tokens=256))
@@ -77,7 +81,7 @@ async def _at_least(count, n: int) -> bool:
 
 async def test_redis_kill_9_with_aof_loses_nothing_that_was_acked(cfg, bus, redis_server, tmp_path):
     ids = [f"g{i:03d}" for i in range(60)]
-    async with running_replay(cfg) as (replay, stub):
+    async with running_replay(with_grpo(cfg, num_prompts_per_step=10, max_staleness=NEVER_STALE)) as (replay, stub):
         for gid in ids[:40]:
             await bus.publish(bus.subjects.trajectories, make_group(gid))
         await until(lambda: _all_acked(bus, replay, 40), "40 groups stored and acked")

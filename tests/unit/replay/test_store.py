@@ -35,6 +35,24 @@ async def test_put_stores_a_group_once_and_counts_the_duplicate(redis):
     assert (stats.size, stats.duplicates) == (1, 1)
 
 
+async def test_put_leaves_no_payload_on_its_way_in(redis):
+    store = ReplayStore(redis, "run")
+    assert await store.put_many([put("a"), put("a"), put("b")]) == [True, False, True]
+    assert await redis.keys(store.prefix + "in:*") == []
+    assert await redis.ttl(store.prefix + "g:a") == -1  # the staging expiry does not follow the stored group
+    assert (await store.sample(0, 2, 0)).payloads == [put("a").payload, put("b").payload]
+
+
+async def test_a_payload_left_by_a_crash_before_its_put_is_taken_by_the_redelivery(redis):
+    store = ReplayStore(redis, "run")
+    await redis.set(store.prefix + "in:a", b"half-way", ex=60)  # replay died between the SET and the PUT
+    assert await store.put(put("a"))
+    assert (await store.sample(0, 1, 0)).payloads == [put("a").payload]
+    await redis.set(store.prefix + "in:a", b"again", ex=60)  # and once more, after the group was stored
+    assert not await store.put(put("a"))
+    assert await redis.keys(store.prefix + "in:*") == []
+
+
 async def test_sample_returns_same_batch_when_step_is_asked_twice(redis):
     store = ReplayStore(redis, "run")
     await fill(store, 0, 0, 0, 0)
@@ -106,6 +124,43 @@ async def test_sample_of_a_committed_step_is_refused(redis):
     await store.commit(0)
     with pytest.raises(StepCommitted):
         await store.sample(0, 1, 0)
+
+
+async def test_a_batch_deleted_after_its_choice_was_read_answers_step_committed(redis):
+    """What a Commit that runs between the SAMPLE script and the MGET of its batch leaves behind."""
+    store = ReplayStore(redis, "run")
+    await fill(store, 0, 0)
+    await store.sample(0, 2, 0)
+    await redis.delete(store.prefix + "c:0:1")
+    with pytest.raises(StepCommitted):
+        await store.sample(0, 2, 0)
+
+
+async def test_a_chosen_group_is_refused_until_and_after_its_step_is_committed(redis):
+    store = ReplayStore(redis, "run")
+    await fill(store, 0, 0)
+    chosen = (await store.sample(0, 1, 0)).group_ids[0]
+    assert not await store.put(put(chosen))  # chosen, its step not committed
+    await store.commit(0)
+    assert not await store.put(put(chosen))  # committed: the tombstone
+    assert await redis.scard(store.prefix + "held") == 0
+
+
+async def test_put_and_sample_after_redis_lost_its_scripts_load_them_again(redis):
+    store = ReplayStore(redis, "run")
+    await fill(store, 0)
+    await redis.script_flush()
+    await fill(store, 0, prefix="h")
+    await redis.script_flush()
+    assert (await store.sample(0, 2, 0)).payloads == [put("g0").payload, put("h0").payload]
+
+
+async def test_a_recorded_batch_is_returned_whole_to_a_caller_that_asks_for_fewer(redis):
+    store = ReplayStore(redis, "run")
+    await fill(store, 0, 0, 0)
+    first = await store.sample(0, 3, 0)
+    again = await store.sample(0, 1, 0)
+    assert again.replayed and again.group_ids == first.group_ids and again.payloads == first.payloads
 
 
 async def test_stats_report_sizes_by_version_and_counters(redis):

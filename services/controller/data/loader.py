@@ -1,0 +1,147 @@
+"""data.* -> prompt rows for training and validation; every failure is one DataError naming key, file, line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from services.common.config import FlywheelConfig
+from services.common.config_data import HUB_DATASETS, DatasetConfig
+from services.common.pb.flywheel.v1 import types_pb2
+from services.controller.data.plan import holdout, planned_steps
+from services.controller.data.rows import RowError, Templates, check_prompt_template, to_row
+from services.controller.data.sources import SourceError, records
+
+
+class DataError(ValueError):
+    """A dataset, prompt file or row that cannot be used; one line per problem."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptSet:
+    env_name: str
+    """The environment (built-in kind) that scores these prompts."""
+    rows: list[types_pb2.DatasetRow] = field(default_factory=list)
+    source: str = ""
+    """Where the rows came from, for messages."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadedData:
+    train: list[PromptSet]
+    validation: list[PromptSet]
+
+    @property
+    def train_rows(self) -> int:
+        return sum(len(s.rows) for s in self.train)
+
+
+def load_data(cfg: FlywheelConfig) -> LoadedData:
+    """Reads data.train and data.validation. Raises DataError listing every dataset that failed."""
+    problems: list[str] = []
+    train, validation = [], []
+    for key, ds in _named(cfg.data.train_sets(), "data.train"):
+        try:
+            rows = _rows(key, ds)
+            keep, held = holdout(len(rows), ds.split_validation_size, ds.seed)
+            train.append(_set(ds, [rows[i] for i in keep], key))
+            if held:
+                validation.append(_set(ds, [rows[i] for i in held], f"{key} (split_validation_size)"))
+        except DataError as err:
+            problems.append(str(err))
+    for key, ds in _named(cfg.data.validation_sets(), "data.validation"):
+        try:
+            validation.append(_set(ds, _rows(key, ds), key))
+        except DataError as err:
+            problems.append(str(err))
+    if problems:
+        raise DataError("\n".join(problems))
+    return LoadedData(train=train, validation=validation)
+
+
+def plan_steps(cfg: FlywheelConfig, data: LoadedData) -> int:
+    """grpo.max_num_steps bounded by grpo.max_num_epochs over data.train (NeMo RL drops each epoch's last partial step)."""
+    g = cfg.grpo
+    if not data.train:
+        return g.max_num_steps
+    steps = planned_steps(g.max_num_steps, g.max_num_epochs, data.train_rows, g.num_prompts_per_step)
+    if steps == 0:
+        raise DataError(f"data.train: {data.train_rows} rows make no step of grpo.num_prompts_per_step="
+                        f"{g.num_prompts_per_step}")
+    return steps
+
+
+def plan_config(cfg: FlywheelConfig) -> tuple[FlywheelConfig, list[str]]:
+    """(cfg with grpo.max_num_steps bounded by the epochs, lines saying what was read and decided)."""
+    data = load_data(cfg)
+    steps = plan_steps(cfg, data)
+    lines = [f"data: {s.source}: {len(s.rows)} prompts for environment {s.env_name}" for s in data.train]
+    lines += [f"data: {s.source}: {len(s.rows)} validation prompts" for s in data.validation]
+    if steps != cfg.grpo.max_num_steps:
+        lines.append(f"grpo.max_num_steps {cfg.grpo.max_num_steps} -> {steps}: grpo.max_num_epochs="
+                     f"{cfg.grpo.max_num_epochs} over {data.train_rows} prompts, {cfg.grpo.num_prompts_per_step} per step")
+        cfg = cfg.model_copy(deep=True)
+        cfg.grpo.max_num_steps = steps
+    return cfg, lines
+
+
+def _named(sets: list[DatasetConfig], key: str):
+    return [(key if len(sets) == 1 else f"{key}.{i}", ds) for i, ds in enumerate(sets)]
+
+
+def _set(ds: DatasetConfig, rows: list, key: str) -> PromptSet:
+    return PromptSet(env_name=ds.env_name or "math", rows=rows, source=key)
+
+
+def _rows(key: str, ds: DatasetConfig) -> list[types_pb2.DatasetRow]:
+    templates = Templates(prompt=_read(f"{key}.prompt_file", ds.prompt_file),
+                          system=_read(f"{key}.system_prompt_file", ds.system_prompt_file))
+    if templates.prompt is not None:
+        try:
+            check_prompt_template(templates.prompt)
+        except RowError as err:
+            raise DataError(f"{key}.prompt_file: {ds.prompt_file}: {err}") from None
+    path, input_key, output_key, split = _source(key, ds)
+    return _convert(key, path, templates, input_key, output_key, subset=ds.subset, split=split)
+
+
+def load_rows(path: str) -> list[types_pb2.DatasetRow]:
+    """An environment's own dataset (environments[].dataset, SubmitEnvironment jsonl_path): any format, no template."""
+    return _convert("dataset", path, Templates(), None, None)
+
+
+def _convert(key: str, path: str, templates: Templates, input_key: str | None, output_key: str | None,
+             *, subset: str | None = None, split: str | None = None) -> list[types_pb2.DatasetRow]:
+    out = []
+    try:
+        for where, record in records(path, subset=subset, split=split):
+            try:
+                row = to_row(record, input_key, output_key, templates)
+                out.append(json_format.ParseDict(row, types_pb2.DatasetRow()))
+            except (RowError, json_format.ParseError) as err:
+                raise DataError(f"{key}: {where}: {err}") from None
+    except SourceError as err:
+        raise DataError(f"{key}: {err}") from None
+    if not out:
+        raise DataError(f"{key}: {path}: the dataset is empty")
+    return out
+
+
+def _source(key: str, ds: DatasetConfig) -> tuple[str, str | None, str | None, str | None]:
+    if ds.dataset_name in HUB_DATASETS:
+        hub_id, input_key, output_key, split = HUB_DATASETS[ds.dataset_name]
+        return ds.data_path or hub_id, ds.input_key or input_key, ds.output_key or output_key, ds.split or split
+    if not ds.data_path:
+        raise DataError(f"{key}.data_path: not set (a .jsonl/.json/.parquet file, a saved dataset, or a hub id)")
+    return ds.data_path, ds.input_key, ds.output_key, ds.split
+
+
+def _read(key: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise DataError(f"{key}: {path}: {err.strerror or err}") from None

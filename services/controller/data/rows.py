@@ -1,0 +1,97 @@
+"""One record -> one prompt row, as NeMo RL's dataset classes and math_hf_data_processor make it (pure).
+
+Formats (detected per record unless input_key is set):
+    {"messages": [user..., assistant]}          the last assistant message is the ground truth
+    {"problem": ..., "expected_answer": ...}    OpenMathInstruct-2
+    {"input": ..., "output": ...}               NeMo RL's ResponseDataset defaults
+The prompt is [system (system_prompt_file)] + user (prompt_file.format(problem), or the problem),
+and metadata carries {"ground_truth": answer}, which the math environment verifies against. Rows in
+the messages format may carry their own "metadata" (an environment's state) and several prompt messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMATS = (("problem", "expected_answer"), ("input", "output"))
+
+
+class RowError(ValueError):
+    """A record that cannot become a prompt; the message says which key is missing or wrong."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Templates:
+    prompt: str | None = None
+    """Text with one `{}` for the problem (str.format, so `{{}}` is a literal `{}`); None: the problem as is."""
+    system: str | None = None
+    """Content of a system message before the prompt; None: no system message."""
+
+
+def to_row(record: object, input_key: str | None, output_key: str | None, templates: Templates) -> dict:
+    """{"messages": prompt conversation, "metadata": {"ground_truth": ..., ...}} of one record."""
+    if not isinstance(record, dict):
+        raise RowError(f"a row must be a JSON object, got {type(record).__name__}")
+    if input_key is None and "messages" in record:
+        messages, metadata = _from_messages(record)
+    else:
+        problem, answer = _from_columns(record, input_key, output_key)
+        messages, metadata = [{"role": "user", "content": problem}], {"ground_truth": answer}
+    return {"messages": apply_templates(messages, templates), "metadata": metadata}
+
+
+def _from_columns(record: dict, input_key: str | None, output_key: str | None) -> tuple[str, str]:
+    if input_key is None:
+        input_key, default_out = next(((i, o) for i, o in FORMATS if i in record), (None, None))
+        if input_key is None:
+            raise RowError(f"no messages, problem or input key (keys: {', '.join(sorted(record)) or 'none'}); "
+                           f"set input_key / output_key")
+        output_key = output_key or default_out
+    output_key = output_key or "output"
+    for key in (input_key, output_key):
+        if key not in record:
+            raise RowError(f"no {key!r} key (keys: {', '.join(sorted(record)) or 'none'})")
+        if not isinstance(record[key], (str, int, float)) or isinstance(record[key], bool):
+            raise RowError(f"{key!r} must be text, got {type(record[key]).__name__}")
+    return str(record[input_key]), str(record[output_key])
+
+
+def _from_messages(record: dict) -> tuple[list[dict], dict]:
+    """NeMo RL's message format: a trailing assistant message is the ground truth, the rest the prompt."""
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise RowError("messages must be a list of {role, content} objects with text content")
+    metadata = record.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise RowError("metadata must be an object")
+    metadata = dict(metadata)
+    prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if prompt and prompt[-1]["role"] == "assistant":
+        metadata.setdefault("ground_truth", prompt.pop()["content"])
+    if not prompt:
+        raise RowError("messages hold no prompt (only the assistant's answer)")
+    return prompt, metadata
+
+
+def apply_templates(messages: list[dict], templates: Templates) -> list[dict]:
+    """math_hf_data_processor: prompt_file formats the first user message; system_prompt_file goes first."""
+    out = [dict(m) for m in messages]
+    if templates.prompt is not None:
+        user = next((m for m in out if m["role"] == "user"), None)
+        if user is None:
+            raise RowError("prompt_file needs a user message to format")
+        user["content"] = templates.prompt.format(user["content"])
+    if templates.system:
+        out.insert(0, {"role": "system", "content": templates.system})
+    return out
+
+
+def check_prompt_template(text: str) -> None:
+    """Raises RowError unless `text` formats with exactly one positional field."""
+    try:
+        text.format("x")
+    except (IndexError, KeyError, ValueError) as err:
+        raise RowError(f"the prompt template must hold one {{}} for the problem (write {{{{ }}}} for a brace): "
+                       f"{type(err).__name__}: {err}") from None

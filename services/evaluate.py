@@ -1,0 +1,92 @@
+"""`flywheel eval`: accuracy, average length and pass@k of a model on a dataset, by the validation code.
+
+    config (data.validation, or --data) ──▶ environment + rollout services, policy.model_name = --model
+        ──▶ Validator (services/controller/evaluation.py): Generate n per prompt, environment Step
+        ──▶ printed metrics, <run_dir>/eval.json and eval_samples.jsonl (each prompt's rewards)
+
+--model is a Hugging Face model id or directory, or a trainer checkpoint, which is exported first.
+Rollout's HF engine loads it; the vLLM engine starts from random weights and takes real ones only
+from the trainer, so eval refuses it rather than score random weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from services.common.config import ConfigError, FlywheelConfig
+from services.common.pb.flywheel.v1 import environment_pb2_grpc, rollout_pb2_grpc
+from services.common.server import channel
+from services.controller.data import DataError, load_data
+from services.controller.evaluation import Validator, validation_prompts
+from services.local import LocalStack
+
+
+def eval_prompts(cfg: FlywheelConfig):
+    if cfg.policy.generation.backend != "hf":
+        raise ConfigError("config error: policy.generation.backend: flywheel eval needs hf (rollout's vLLM engine "
+                          "starts from random weights and takes real ones from the trainer)")
+    try:
+        prompts = validation_prompts(cfg, load_data(cfg).validation)
+    except DataError as err:
+        raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
+    if not prompts:
+        raise ConfigError("config error: data.validation: nothing to evaluate (set data.validation.data_path, "
+                          "pass --data, or a train split_validation_size)")
+    return prompts
+
+
+def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
+    prompts = eval_prompts(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with LocalStack(cfg, run_dir) as stack:
+        for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
+            stack.children.start(name, service, stack.config_path)
+        metrics, results = asyncio.run(_score(stack.cfg, prompts))
+    (run_dir / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    with (run_dir / "eval_samples.jsonl").open("w") as f:
+        for p in results:
+            f.write(json.dumps({"prompt": p.prompt, "rewards": p.rewards, "lengths": p.lengths}) + "\n")
+    return metrics
+
+
+async def _score(cfg: FlywheelConfig, prompts):
+    a = cfg.addresses
+    rollout, env = channel(a.rollout, security=cfg.security), channel(a.environment, security=cfg.security)
+    try:
+        validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(rollout),
+                              environment_pb2_grpc.EnvironmentServiceStub(env),
+                              n=cfg.grpo.val_num_generations_per_prompt)
+        return await validator.run()
+    finally:
+        await rollout.close()
+        await env.close()
+
+
+def _out(run_dir: str | None) -> Path:
+    return Path(run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def exported_if_checkpoint(model: str, run_dir: str | None) -> str:
+    """A trainer checkpoint (step_N, or a checkpoint_dir) becomes a Hugging Face directory in the eval's run dir."""
+    path = Path(model)
+    if not (path / "training_info.json").exists() and not any(path.glob("step_*/training_info.json")):
+        return model
+    from services.trainer.export import export_checkpoint  # torch: only here, and only for a checkpoint
+
+    out = _out(run_dir) / "hf"
+    step_dir = export_checkpoint(path, out)
+    print(f"eval: exported {step_dir} -> {out}", flush=True)
+    return str(out)
+
+
+def eval_command(cfg: FlywheelConfig, run_dir: str | None) -> int:
+    out = _out(run_dir)
+    n = cfg.grpo.val_num_generations_per_prompt
+    print(f"eval: {cfg.policy.model_name}, {n} samples per prompt, results in {out}", flush=True)
+    metrics = run_eval(cfg, out)
+    for key, value in metrics.items():
+        print(f"{key:<28} {value:.4f}", flush=True)
+    return 0
