@@ -68,6 +68,25 @@ def test_absent_member_is_dropped_and_the_others_get_the_version():
     sender.close()
     assert (result.members_ok, result.members_dropped, result.attempts) == (["w0"], ["ghost"], 2)
     assert [o["equal"] for o in _received(proc)] == [True]
+    # Phases add up over both attempts: the first waited out join_timeout_s for the ghost.
+    assert set(result.phases) == {"announce", "join", "send", "confirm"} and result.phases["join"] >= 3
+    assert sum(result.phases.values()) <= result.seconds
+
+
+def test_an_announcement_that_fails_to_publish_does_not_fail_the_sync():
+    """The trainer's NATS publish can time out on a loaded broker: the round goes on, and the receivers that
+    learn of it from the store get the version."""
+    def publish(_announcement) -> None:
+        raise TimeoutError("nats: timeout")
+
+    sender = WeightSender(backend="gloo", bucket_bytes=BUCKET, publish=publish)
+    proc = spawn(sender.store_address, "w0")
+    try:
+        result = sender.sync(1, ["w0"], make_state(1), timeout_s=10)
+    finally:
+        sender.close()
+    assert result.members_ok == ["w0"]
+    assert [o["equal"] for o in _received(proc)] == [True]
 
 
 def test_late_worker_receives_the_current_version_at_the_next_epoch(sender):
