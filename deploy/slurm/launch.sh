@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Start Flywheel inside the heterogeneous allocation of flywheel.sbatch, wait, and clean up.
+# Start Flywheel inside the heterogeneous allocation of an sbatch script from make_sbatch.py
+# (flywheel.sbatch is one), wait, and clean up.
 #
 #   launch.sh [key=value config overrides ...]
 #
 # It runs on the batch host, which Slurm places on the first node of het group 0 (infra), so NATS's
 # monitor port and Redis are checked on loopback. Steps:
-#   1. resolve hosts: INFRA_HOST (group 0) and TRAINER_HOST (first node of group 1) from the allocation;
-#   2. make per-job NATS/Redis passwords and write nats.conf / redis.conf (mode 600) into the run dir;
+#   1. resolve hosts: INFRA_HOST (group 0) and TRAINER_HOST (first node of group 1) from the allocation,
+#      as each node's NodeAddr (which is its name unless slurm.conf says otherwise);
+#   2. make per-job NATS/Redis passwords, a run token and a controller token, and write nats.conf /
+#      redis.conf (mode 600) into the run dir;
 #   3. resolve the config (base file + addresses + user overrides) with Flywheel's own loader and write
 #      it to $RUN_DIR/config.yaml, which every process reads (the run dir is on a shared filesystem);
 #   4. srun --het-group=0: nats-server, redis-server, environment, replay, controller (waiting on health);
-#      srun --het-group=1: torchrun ... flywheel serve trainer;  srun --het-group=2: rollout_task.sh;
-#   5. wait: success when the trainer exits 0 (last step), failure when any component dies first;
-#      on exit (or SIGTERM from --signal before the time limit) stop the services, then Redis and NATS.
+#      srun --het-group=1: one `flywheel serve trainer` task per rank (rank = SLURM_PROCID, rendezvous at
+#      MASTER_ADDR:MASTER_PORT = the first trainer node);  srun --het-group=2: rollout_task.sh per worker;
+#   5. wait: success when the trainer exits 0 (last step). A component that exits otherwise (a crash,
+#      kill -9, a lost node's step) is started again with the same command, as `flywheel up` does, after
+#      a back-off that doubles (1 s .. 16 s); more than run.max_restarts restarts of one component within
+#      run.restart_window_s fail the job. On exit (or SIGTERM from --signal before the time limit) stop
+#      the services, then Redis and NATS.
 #
 # FLYWHEEL_DRY_RUN=1 prints the srun commands (also to $RUN_DIR/launch_plan.txt) instead of running
 # them, skips the health waits, and takes hosts from FLYWHEEL_INFRA_HOST / FLYWHEEL_TRAINER_HOST /
@@ -26,7 +33,8 @@ FLYWHEEL_BIN=$VENV/bin/flywheel
 BASE_CONFIG=${FLYWHEEL_CONFIG:-$FLYWHEEL_HOME/deploy/compose/config.yaml}
 RUN_DIR=${FLYWHEEL_RUN_DIR:-$FLYWHEEL_HOME/runs/slurm-${SLURM_JOB_ID:-local}}
 DRY_RUN=${FLYWHEEL_DRY_RUN:-0}
-TRAINER_NPROC=${FLYWHEEL_TRAINER_NPROC:-1}   # > 1 fails today: only rank 0's loop exists (flywheel.sbatch)
+TRAINER_TASKS=${FLYWHEEL_TRAINER_TASKS_PER_NODE:-1}   # ranks per trainer node (one per GPU)
+GPUS=${FLYWHEEL_GPUS:-1}                               # 0: CPU job, no GPU options on srun
 REDIS_APPENDFSYNC=${REDIS_APPENDFSYNC:-always}
 STOP_GRACE_S=${FLYWHEEL_STOP_GRACE_S:-30}
 
@@ -37,7 +45,7 @@ NATS_PORT=${FLYWHEEL_NATS_PORT:-4222} NATS_MONITOR_PORT=${FLYWHEEL_NATS_MONITOR_
 REDIS_PORT=${FLYWHEEL_REDIS_PORT:-6379}
 CONTROLLER_PORT=${FLYWHEEL_CONTROLLER_PORT:-50051} ENVIRONMENT_PORT=${FLYWHEEL_ENVIRONMENT_PORT:-50052}
 REPLAY_PORT=${FLYWHEEL_REPLAY_PORT:-50053} TRAINER_PORT=${FLYWHEEL_TRAINER_PORT:-50055}
-TORCHRUN_RDZV_PORT=${FLYWHEEL_TORCHRUN_PORT:-29400}
+MASTER_PORT=${FLYWHEEL_MASTER_PORT:-29400}   # the trainer ranks' c10d rendezvous on the first trainer node
 export FLYWHEEL_ROLLOUT_PORT_BASE=${FLYWHEEL_ROLLOUT_PORT_BASE:-50054}
 export FLYWHEEL_METRICS_PORT_BASE=${FLYWHEEL_METRICS_PORT_BASE:-9400}
 M=$FLYWHEEL_METRICS_PORT_BASE   # 0 turns every /metrics server off
@@ -49,17 +57,19 @@ hosts_of() {  # het group index -> its hostnames, one per line
   scontrol show hostnames "${!var}"
 }
 
+addr_of() {  # Slurm node name -> the address peers dial: its NodeAddr (defaults to the name itself)
+  local addr
+  addr=$(scontrol show node "$1" -o 2> /dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  echo "${addr:-$1}"
+}
+
 ipv4_of() { getent ahostsv4 "$1" | awk 'NR == 1 { print $1 }'; }
 
-INFRA_HOST=${FLYWHEEL_INFRA_HOST:-$(hosts_of 0 | head -n 1)}
-TRAINER_HOST=${FLYWHEEL_TRAINER_HOST:-$(hosts_of 1 | head -n 1)}
+INFRA_HOST=${FLYWHEEL_INFRA_HOST:-$(addr_of "$(hosts_of 0 | head -n 1)")}
+TRAINER_HOST=${FLYWHEEL_TRAINER_HOST:-$(addr_of "$(hosts_of 1 | head -n 1)")}
 TRAINER_NODES=${FLYWHEEL_TRAINER_NODES:-$(hosts_of 1 | wc -l)}
 INFRA_IP=${FLYWHEEL_INFRA_IP:-$(ipv4_of "$INFRA_HOST")}
 [[ -n "$INFRA_IP" ]] || { echo "launch.sh: cannot resolve $INFRA_HOST" >&2; exit 1; }
-if (( TRAINER_NPROC > 1 || TRAINER_NODES > 1 )); then
-  echo "launch.sh: warning: $TRAINER_NODES trainer node(s) x $TRAINER_NPROC process(es): ranks != 0 exit with" \
-       "NotImplementedError in this version (see flywheel.sbatch)" >&2
-fi
 
 # --- run dir, secrets, infra configs (nothing here is readable by other users) ---
 umask 077
@@ -70,6 +80,8 @@ secret() { "$PY" -c 'import secrets; print(secrets.token_hex(24))'; }
 export NATS_PASSWORD=${NATS_PASSWORD:-$(secret)}
 REDIS_PASSWORD=${REDIS_PASSWORD:-$(secret)}
 CONTROLLER_TOKEN=${CONTROLLER_TOKEN:-$(secret)}
+# Every internal rpc carries it (services/common/security.py); srun hands the environment to each task.
+export FLYWHEEL_RUN_TOKEN=${FLYWHEEL_RUN_TOKEN:-$(secret)}
 printf '%s\n' "$CONTROLLER_TOKEN" > "$RUN_DIR/controller_token"   # for flywheel env/status --token
 
 cat > "$RUN_DIR/nats.conf" <<EOF
@@ -102,7 +114,7 @@ EOF
 # --- the resolved config: base file + addresses + user overrides, validated by Flywheel's loader ---
 CONFIG=$RUN_DIR/config.yaml
 cd "$FLYWHEEL_HOME"
-"$PY" - "$BASE_CONFIG" "$CONFIG" \
+read -r MAX_RESTARTS RESTART_WINDOW_S < <("$PY" - "$BASE_CONFIG" "$CONFIG" \
   "run.run_dir=$RUN_DIR" \
   "addresses.nats_url=nats://flywheel:$NATS_PASSWORD@$INFRA_HOST:$NATS_PORT" \
   "addresses.redis_url=redis://:$REDIS_PASSWORD@$INFRA_HOST:$REDIS_PORT/0" \
@@ -122,14 +134,17 @@ try:
 except ConfigError as err:
     sys.exit(f"launch.sh: {err}")
 Path(out).write_text(dump_config(cfg))
+print(cfg.run.max_restarts, int(cfg.run.restart_window_s))
 EOF
+)
+[[ -n "${MAX_RESTARTS:-}" ]] || exit 1  # the loader said why
 export FLYWHEEL_RESOLVED_CONFIG=$CONFIG FLYWHEEL_BIN
 echo "flywheel: job ${SLURM_JOB_ID:-local}  infra $INFRA_HOST ($INFRA_IP)  trainer $TRAINER_HOST  run dir $RUN_DIR"
 
 # --- starting and stopping components ---
 # Per-process overrides go BEFORE --config: services/cli.py's argparse rejects positionals after an
 # option (`serve X --config F k=v` exits 2), while `serve X k=v --config F` works.
-declare -A PIDS=()
+declare -A PIDS=() CMDS=() RESTARTS=()
 ORDER=()
 start() {  # name, then the command; output goes to $RUN_DIR/logs/<name>.log
   local name=$1; shift
@@ -139,9 +154,26 @@ start() {  # name, then the command; output goes to $RUN_DIR/logs/<name>.log
     echo | tee -a "$RUN_DIR/launch_plan.txt"
     return
   fi
-  "$@" > "$RUN_DIR/logs/$name.log" 2>&1 &
+  "$@" >> "$RUN_DIR/logs/$name.log" 2>&1 &
   PIDS[$name]=$!
-  ORDER+=("$name")
+  [[ -n "${CMDS[$name]:-}" ]] || ORDER+=("$name")
+  CMDS[$name]=$(printf '%q ' "$@")
+}
+
+restart() {  # name, its exit code: start it again after a back-off, or fail once its budget is spent
+  local name=$1 code=$2 now=$SECONDS recent=() t
+  for t in ${RESTARTS[$name]:-}; do (( now - t < RESTART_WINDOW_S )) && recent+=("$t"); done
+  if (( ${#recent[@]} >= MAX_RESTARTS )); then
+    echo "flywheel: $name exited with $code and was restarted $MAX_RESTARTS times within" \
+         "$RESTART_WINDOW_S s (run.max_restarts); its log ends:" >&2
+    tail -n 30 "$RUN_DIR/logs/$name.log" >&2 || true
+    return 1
+  fi
+  local delay=$(( 1 << ${#recent[@]} )); (( delay > 16 )) && delay=16
+  echo "flywheel: $name exited with $code; restarting in $delay s ($(( ${#recent[@]} + 1 ))/$MAX_RESTARTS)" >&2
+  RESTARTS[$name]="${recent[*]} $now"
+  sleep "$delay"
+  eval "start $name ${CMDS[$name]}"
 }
 
 stop_group() {  # SIGTERM the named components (srun forwards it to its tasks), wait, then SIGKILL
@@ -190,36 +222,36 @@ wait_for replay "$PY" deploy/health_probe.py "$INFRA_HOST:$REPLAY_PORT" flywheel
 start controller "${INFRA[@]}" "$FLYWHEEL_BIN" serve controller "telemetry.metrics_port=$(mport 1)" --config "$CONFIG"
 wait_for controller "$PY" deploy/health_probe.py "$INFRA_HOST:$CONTROLLER_PORT" flywheel.v1.controller
 
-# --- group 1: trainer, one torchrun per trainer node ---
-start trainer srun --het-group=1 --nodes="$TRAINER_NODES" --ntasks-per-node=1 --unbuffered \
-  "$VENV/bin/torchrun" --nnodes="$TRAINER_NODES" --nproc-per-node="$TRAINER_NPROC" \
-  --rdzv-backend=c10d --rdzv-endpoint="$TRAINER_HOST:$TORCHRUN_RDZV_PORT" --rdzv-id="${SLURM_JOB_ID:-local}" \
-  --no-python "$FLYWHEEL_BIN" serve trainer \
+# --- group 1: trainer, one task per rank (N nodes x G tasks); ranks come from SLURM_PROCID/SLURM_NTASKS ---
+# The step gets every GPU of its nodes (no --gpus-per-task), so ranks on a node share NVLink/P2P; each
+# rank picks its device by SLURM_LOCALID. Only rank 0 serves gRPC, NATS, /metrics and the weight channel.
+export MASTER_ADDR=$TRAINER_HOST MASTER_PORT
+[[ "$DRY_RUN" == 1 ]] && printf 'MASTER_ADDR=%s\nMASTER_PORT=%s\n' "$MASTER_ADDR" "$MASTER_PORT" > "$RUN_DIR/launch_env.txt"
+# --kill-on-bad-exit: one dead rank ends the step (the others would wait in a collective), and the
+# restarted step resumes every rank from the latest checkpoint.
+start trainer srun --het-group=1 --nodes="$TRAINER_NODES" --ntasks-per-node="$TRAINER_TASKS" --unbuffered \
+  --kill-on-bad-exit=1 \
+  "$FLYWHEEL_BIN" serve trainer \
   "addresses.host=$TRAINER_HOST" "telemetry.metrics_port=$(mport 4)" --config "$CONFIG"
 
-# --- group 2: rollout, one worker per task (one GPU each) ---
-ROLLOUT=(srun --het-group=2 --unbuffered --gpus-per-task=1)
+# --- group 2: rollout, one worker per task (one GPU each on a GPU job) ---
+ROLLOUT=(srun --het-group=2 --unbuffered)
+(( GPUS )) && ROLLOUT+=(--gpus-per-task=1)
 [[ -n "${FLYWHEEL_ROLLOUT_PER_NODE:-}" ]] && ROLLOUT+=(--ntasks-per-node="$FLYWHEEL_ROLLOUT_PER_NODE")
 start rollout "${ROLLOUT[@]}" bash "$FLYWHEEL_HOME/deploy/slurm/rollout_task.sh"
 
 [[ "$DRY_RUN" == 1 ]] && exit 0
 
-# --- wait: the trainer finishing is success; anything else dying first is failure ---
-rc=0
+# --- wait: the trainer exiting 0 is success; whatever else exits is restarted (within its budget) ---
 while :; do
-  if ! kill -0 "${PIDS[trainer]}" 2> /dev/null; then
-    wait "${PIDS[trainer]}" && rc=0 || rc=$?
-    echo "flywheel: trainer exited with $rc"
-    break
-  fi
   for name in "${ORDER[@]}"; do
-    if ! kill -0 "${PIDS[$name]}" 2> /dev/null; then
-      echo "flywheel: $name exited early; its log ends:" >&2
-      tail -n 30 "$RUN_DIR/logs/$name.log" >&2 || true
-      rc=1
-      break 2
+    kill -0 "${PIDS[$name]}" 2> /dev/null && continue
+    wait "${PIDS[$name]}" && code=0 || code=$?
+    if [[ "$name" == trainer && "$code" == 0 ]]; then
+      echo "flywheel: trainer exited with 0"
+      exit 0
     fi
+    restart "$name" "$code" || exit 1
   done
-  sleep 5
+  sleep 2
 done
-exit "$rc"

