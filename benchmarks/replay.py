@@ -1,26 +1,40 @@
 """Replay throughput: the service path beside raw redis-py writing and reading the same bytes.
 
-    .venv/bin/python benchmarks/replay.py [--groups 320] [--per-step 8]
+    .venv/bin/python benchmarks/replay.py [--groups 320] [--per-step 8] [--rounds 5]
 
 Groups are realistic: 16 completions x 1,000 tokens with per-token logprobs and masks.
-Ingest: groups are first published to JetStream (publish rate printed for context), then the
-replay service (a child process, as deployed) drains them into Redis; the rate is groups
-stored per second from the first stored group to the last. The raw baseline pipelines SETs
-of the same payloads. Sample: batches of --per-step groups over gRPC against pipelined GETs.
-Results are kept in docs/replay.md.
+Each round measures both sides back to back, since on a shared machine the load drifts:
+- ingest: raw pipelines SETs of the round's payloads; then the round's groups are published to
+  JetStream and a fresh replay service (a child process, as deployed) drains them into Redis
+  (rate: groups stored per second from the first stored group to the last);
+- sample: one step at a time, raw pipelines GETs of --per-step payloads, then the service answers
+  a Sample of --per-step groups over gRPC; each side's time is summed over the steps, so both see
+  the same load.
+The ratios printed last are the medians of the rounds' ratios. Two more measurements say where the
+rest goes: the CPU per ingested group of each process on either side (from /proc, so Linux only),
+and, in the same turns as the Samples, a bare gRPC server in its own process that only returns the
+same reply bytes: a Sample is a Redis read plus such a reply, so its rate bounds the service's.
+Neither side parses what it delivers: raw hands the caller the payload bytes, the service client
+the SampleResponse bytes that carry the same payloads (parsing them costs the caller the same on
+either side; the time for one batch is printed for context). The responses are parsed and checked
+after the timing. Results are kept in docs/replay.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import redis
 import yaml
 
@@ -28,13 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.bus import Bus  # noqa: E402
 from services.common.config import FlywheelConfig  # noqa: E402
-from services.common.infra import free_port, start_nats, start_redis  # noqa: E402
-from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, types_pb2  # noqa: E402
+from services.common.infra import die_with_parent, free_port, start_nats, start_redis  # noqa: E402
+from services.common.pb.flywheel.v1 import replay_pb2, types_pb2  # noqa: E402
 from services.common.server import channel  # noqa: E402
 from services.replay.store import key_prefix  # noqa: E402
 
+NEVER_STALE = 1 << 20
 
-def make_payloads(n: int, samples: int = 16, tokens: int = 1000) -> list[bytes]:
+
+def make_payloads(n: int, samples: int = 16, tokens: int = 1000, prefix: str = "bench") -> list[bytes]:
     rng = random.Random(0)
     completions = [types_pb2.Completion(
         token_ids=[rng.randrange(150_000) for _ in range(tokens)], generated_mask=[True] * tokens,
@@ -43,29 +59,26 @@ def make_payloads(n: int, samples: int = 16, tokens: int = 1000) -> list[bytes]:
     template = types_pb2.TrajectoryGroup(prompt_token_ids=list(range(200)), completions=completions, env_name="math")
     out = []
     for i in range(n):
-        template.group_id = f"bench-{i:06d}"
+        template.group_id = f"{prefix}-{i:06d}"
         out.append(template.SerializeToString())
     return out
 
 
-def raw_ingest(client: redis.Redis, payloads: list[bytes], chunk: int = 16) -> float:
+def raw_ingest(client: redis.Redis, keys: list[str], payloads: list[bytes], chunk: int = 16) -> float:
     start = time.perf_counter()
     for i in range(0, len(payloads), chunk):
         pipe = client.pipeline(transaction=False)
-        for j, payload in enumerate(payloads[i:i + chunk], start=i):
-            pipe.set(f"raw:g:{j}", payload)
+        for key, payload in zip(keys[i:i + chunk], payloads[i:i + chunk]):
+            pipe.set(key, payload)
         pipe.execute()
     return len(payloads) / (time.perf_counter() - start)
 
 
-def raw_sample(client: redis.Redis, n: int, per_step: int) -> float:
-    start = time.perf_counter()
-    for step in range(n // per_step):
-        pipe = client.pipeline(transaction=False)
-        for j in range(step * per_step, (step + 1) * per_step):
-            pipe.get(f"raw:g:{j}")
-        pipe.execute()
-    return (n // per_step) / (time.perf_counter() - start)
+def raw_sample(client: redis.Redis, keys: list[str]) -> list[bytes]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    return pipe.execute()
 
 
 async def publish(cfg: FlywheelConfig, payloads: list[bytes], window: int = 32) -> float:
@@ -78,64 +91,162 @@ async def publish(cfg: FlywheelConfig, payloads: list[bytes], window: int = 32) 
     return rate
 
 
-def service_ingest(client: redis.Redis, cfg: FlywheelConfig, n: int) -> float:
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_ingest(client: redis.Redis, cfg: FlywheelConfig, n: int, pids: dict[str, int]) -> tuple[float, dict]:
+    """Groups stored per second from the first stored group to the last, and the CPU ms per group of `pids`."""
     fifo = key_prefix(cfg.run.name) + "fifo"
     while client.zcard(fifo) == 0:
         time.sleep(0.001)
-    start, first = time.perf_counter(), client.zcard(fifo)
+    start, first, cpu = time.perf_counter(), client.zcard(fifo), {k: cpu_s(pid) for k, pid in pids.items()}
     while client.zcard(fifo) < n:
         time.sleep(0.002)
-    return (n - first) / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return (n - first) / seconds, {k: (cpu_s(pid) - cpu[k]) / (n - first) * 1e3 for k, pid in pids.items()}
 
 
-async def service_sample(cfg: FlywheelConfig, n: int, per_step: int) -> float:
+def serve_reply(port: int, reply: bytes) -> None:
+    """A gRPC server that answers every call with `reply` and does nothing else (no Redis): what a Sample costs
+    over gRPC alone. Runs in its own process, as the service does."""
+
+    async def answer(request: bytes, context) -> bytes:
+        return reply
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+        handler = grpc.unary_unary_rpc_method_handler(answer)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Reply", {"Get": handler}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def both_sample(cfg: FlywheelConfig, client: redis.Redis, keys: list[str], steps: range,
+                      per_step: int) -> tuple[dict[str, float], list[bytes]]:
+    """Batches per second of raw, the service and bare gRPC with the same reply, taken in turns; the replies."""
     async with channel(cfg.addresses.replay) as ch:
-        stub = replay_pb2_grpc.ReplayServiceStub(ch)
-        start = time.perf_counter()
-        for step in range(n // per_step):
-            batch = await stub.Sample(replay_pb2.SampleRequest(step=step, prompts_per_step=per_step,
-                                                               max_staleness=1 << 20))
-            assert batch.ready and len(batch.groups) == per_step
-        return (n // per_step) / (time.perf_counter() - start)
+        # No response_deserializer: the caller gets the response bytes, as the raw side gets the payloads.
+        sample = ch.unary_unary("/flywheel.v1.ReplayService/Sample",
+                                request_serializer=replay_pb2.SampleRequest.SerializeToString)
+
+        def request(step: int) -> replay_pb2.SampleRequest:
+            return replay_pb2.SampleRequest(step=step, prompts_per_step=per_step, max_staleness=NEVER_STALE)
+
+        replies = [await sample(request(steps[0]))]  # opens the channel: not timed
+        port = free_port()
+        bare_server = multiprocessing.get_context("spawn").Process(target=serve_reply, args=(port, replies[0]))
+        bare_server.start()
+        try:
+            async with channel(f"127.0.0.1:{port}") as bare_ch:
+                bare = bare_ch.unary_unary("/bench.Reply/Get")
+                await asyncio.wait_for(bare_ch.channel_ready(), 30)
+                await bare(b"")
+                seconds = {"raw": 0.0, "service": 0.0, "bare": 0.0}
+                for i, step in enumerate(steps[1:], start=1):
+                    t0 = time.perf_counter()
+                    assert all(raw_sample(client, keys[i * per_step:(i + 1) * per_step]))
+                    t1 = time.perf_counter()
+                    replies.append(await sample(request(step)))
+                    t2 = time.perf_counter()
+                    await bare(b"")
+                    t3 = time.perf_counter()
+                    for side, took in (("raw", t1 - t0), ("service", t2 - t1), ("bare", t3 - t2)):
+                        seconds[side] += took
+        finally:
+            bare_server.terminate()
+            bare_server.join()
+        return {side: (len(steps) - 1) / took for side, took in seconds.items()}, replies
+
+
+def check_replies(replies: list[bytes], per_step: int, sent: set[bytes]) -> float:
+    """Every reply is a full batch of groups that were published; returns the seconds to parse one reply."""
+    start = time.perf_counter()
+    batches = [replay_pb2.SampleResponse.FromString(reply) for reply in replies]
+    parse_s = (time.perf_counter() - start) / len(replies)
+    for batch in batches:
+        assert batch.ready and len(batch.groups) == per_step, (batch.ready, batch.missing, len(batch.groups))
+        assert all(group.SerializeToString() in sent for group in batch.groups)
+    return parse_s
+
+
+def run_round(r: int, tmp: Path, cfg: FlywheelConfig, client: redis.Redis, servers: dict[str, int],
+              args) -> dict[str, float]:
+    payloads = make_payloads(args.groups, prefix=f"bench{r}")
+    keys = [f"raw:{r}:g:{i}" for i in range(args.groups)]
+    cpu = {"client": os.times(), "redis": cpu_s(servers["redis"])}
+    out = {"raw_in": raw_ingest(client, keys, payloads)}
+    after = os.times()
+    out["cpu_raw_client"] = (after.user + after.system - cpu["client"].user - cpu["client"].system) / args.groups * 1e3
+    out["cpu_raw_redis"] = (cpu_s(servers["redis"]) - cpu["redis"]) / args.groups * 1e3
+    out["published"] = asyncio.run(publish(cfg, payloads))
+    service = subprocess.Popen([sys.executable, "-m", "services.replay.main", "--config", str(tmp / "cfg.yaml")],
+                               stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    try:
+        out["svc_in"], cpu = service_ingest(client, cfg, args.groups, {"replay": service.pid, **servers})
+        out |= {f"cpu_svc_{k}": v for k, v in cpu.items()}
+        first = r * (args.groups // args.per_step)  # steps go on across rounds (replay keeps the recorded ones)
+        rates, replies = asyncio.run(both_sample(cfg, client, keys, range(first, first + args.groups // args.per_step),
+                                                 args.per_step))
+        out |= {"raw_out": rates["raw"], "svc_out": rates["service"], "bare_out": rates["bare"]}
+    finally:
+        service.terminate()
+        service.wait()
+    client.delete(*keys)
+    out["parse_ms"] = check_replies(replies, args.per_step, set(payloads)) * 1000
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=320)
+    parser.add_argument("--groups", type=int, default=320, help="groups per round")
     parser.add_argument("--per-step", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    payloads = make_payloads(args.groups)
-    mb = sum(map(len, payloads)) / 1e6
-    print(f"{args.groups} groups, {mb / args.groups * 1000:.0f} kB each, {mb:.0f} MB in all")
+    mb = sum(map(len, make_payloads(1))) / 1e6
+    print(f"{args.groups} groups per round, {mb * 1000:.0f} kB each, {mb * args.groups:.0f} MB per round, "
+          f"{args.rounds} rounds")
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         nats, red = start_nats(Path(tmp) / "nats"), start_redis(Path(tmp) / "redis")
-        cfg = FlywheelConfig.model_validate({
+        cfg = FlywheelConfig.model_validate({  # replay serves batches of the run's shape only
             "run": {"name": "bench"}, "replay": {"capacity_groups": args.groups},
+            "grpo": {"num_prompts_per_step": args.per_step,
+                     "async_grpo": {"enabled": True, "max_trajectory_age_steps": NEVER_STALE}},
+            "environments": [{"name": "toy", "kind": "toy_copy"}],
             "addresses": {"nats_url": nats.url, "redis_url": red.url, "replay": f"127.0.0.1:{free_port()}"}})
         (Path(tmp) / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         client = redis.Redis.from_url(red.url)
-        service = None
         try:
-            raw_in = raw_ingest(client, payloads)
-            raw_out = raw_sample(client, args.groups, args.per_step)
-            published = asyncio.run(publish(cfg, payloads))
-            service = subprocess.Popen([sys.executable, "-m", "services.replay.main", "--config",
-                                        str(Path(tmp) / "cfg.yaml")], stderr=subprocess.DEVNULL)
-            svc_in = service_ingest(client, cfg, args.groups)
-            svc_out = asyncio.run(service_sample(cfg, args.groups, args.per_step))
+            for r in range(args.rounds):
+                rounds.append(run_round(r, Path(tmp), cfg, client, {"redis": red.proc.pid, "nats": nats.proc.pid},
+                                        args))
         finally:
-            if service:
-                service.terminate()
-                service.wait()
             nats.stop()
             red.stop()
-    print(f"{'':28}{'service':>12}{'raw redis-py':>14}{'ratio':>8}")
-    print(f"{'ingest groups/s':28}{svc_in:12.0f}{raw_in:14.0f}{svc_in / raw_in:8.2f}")
-    print(f"{'ingest MB/s':28}{svc_in * mb / args.groups:12.0f}{raw_in * mb / args.groups:14.0f}")
-    print(f"{'sample batches/s (' + str(args.per_step) + ' groups)':28}{svc_out:12.0f}{raw_out:14.0f}"
-          f"{svc_out / raw_out:8.2f}")
-    print(f"(JetStream publish, for context: {published:.0f} groups/s)")
-
+    print(f"{'round':8}{'ingest groups/s service':>25}{'raw':>8}{'ratio':>8}"
+          f"{'sample batches/s service':>27}{'raw':>8}{'ratio':>8}")
+    for r, x in enumerate(rounds):
+        print(f"{r:<8}{x['svc_in']:25.0f}{x['raw_in']:8.0f}{x['svc_in'] / x['raw_in']:8.2f}"
+              f"{x['svc_out']:27.0f}{x['raw_out']:8.0f}{x['svc_out'] / x['raw_out']:8.2f}")
+    med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+    ratio_in = statistics.median(x["svc_in"] / x["raw_in"] for x in rounds)
+    ratio_out = statistics.median(x["svc_out"] / x["raw_out"] for x in rounds)
+    print(f"{'median':8}{med['svc_in']:25.0f}{med['raw_in']:8.0f}{ratio_in:8.2f}"
+          f"{med['svc_out']:27.0f}{med['raw_out']:8.0f}{ratio_out:8.2f}")
+    print(f"ingest MB/s (median): service {med['svc_in'] * mb:.0f}, raw {med['raw_in'] * mb:.0f}")
+    print(f"ingest CPU ms per group (median): raw: client {med['cpu_raw_client']:.3f} + redis {med['cpu_raw_redis']:.3f}"
+          f"; service: replay {med['cpu_svc_replay']:.3f} + redis {med['cpu_svc_redis']:.3f} "
+          f"+ nats {med['cpu_svc_nats']:.3f}")
+    print(f"sample over bare gRPC (a server that only returns the same reply bytes, no Redis), in the same turns: "
+          f"{med['bare_out']:.0f} batches/s, {statistics.median(x['bare_out'] / x['raw_out'] for x in rounds):.2f} of raw")
+    print(f"for context: JetStream publish {med['published']:.0f} groups/s; parsing one Sample reply "
+          f"({args.per_step} groups) {med['parse_ms']:.1f} ms, which either side's caller would pay")
 
 if __name__ == "__main__":
     main()

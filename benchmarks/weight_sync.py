@@ -169,13 +169,15 @@ class Bench:
         self.sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes, whole_bytes=whole_bytes)
         self.k = 0
         self.members = [f"r{i}" for i in range(receivers)]
+        from services.common.infra import die_with_parent  # no receiver outlives a benchmark that was killed
+
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.procs = []
         for i, w in enumerate(self.members):
             cmd = [sys.executable, __file__, "--role", "receiver", "--store", self.sender.store_address,
                    "--worker-id", w, "--rank", str(i + 1), "--bytes", str(nbytes), "--backends", backend,
                    "--layouts", ",".join(layouts)]
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=die_with_parent)
             for line in p.stdout:
                 if line.startswith('{"event": "ready"'):
                     break
