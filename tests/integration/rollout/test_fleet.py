@@ -67,8 +67,12 @@ def test_a_worker_killed_mid_group_has_its_groups_regenerated_by_the_other_and_e
         for group in batch.groups:
             assert group.group_id not in seen, f"group {group.group_id} reached the trainer twice"
             seen[group.group_id] = group.worker_id
-    victim_id = f"-{victim.pid}"
+    # The victim may have published a group and died before logging it: replay then keeps the victim's copy
+    # and drops the survivor's regenerated one (same group id). Every other in-flight group is regenerated.
+    authors = {f"-{victim.pid}": "victim", f"-{survivor.pid}": "survivor"}
+    by = {}
     for group_id in lost:
         assert group_id in seen, f"the killed worker's group {group_id} never reached replay"
-        assert not seen[group_id].endswith(victim_id), f"{group_id} attributed to the dead worker"
-        assert seen[group_id].endswith(f"-{survivor.pid}")
+        by[group_id] = next((who for suffix, who in authors.items() if seen[group_id].endswith(suffix)), seen[group_id])
+    assert set(by.values()) <= {"victim", "survivor"}, by
+    assert "survivor" in by.values(), f"no group of the killed worker was regenerated: {by}"
