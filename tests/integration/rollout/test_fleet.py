@@ -17,6 +17,7 @@ import pytest
 from recorded import recorded_batches
 
 from services.common.config import load_config
+from services.common.pb.flywheel.v1 import types_pb2
 from services.local import LocalStack, read_metrics
 
 STEPS = 12
@@ -50,6 +51,7 @@ def test_a_worker_killed_mid_group_has_its_groups_regenerated_by_the_other_and_e
         wait_until(lambda: len(read_metrics(tmp_path)) >= KILL_AT_STEP, f"{KILL_AT_STEP} steps", 600, stack)
         log = tmp_path / "logs" / "rollout-1.log"
         wait_until(lambda: in_flight(log), "the victim holding a group", 120, stack)
+        killed_ns = time.time_ns()
         victim.kill()  # SIGKILL, mid-group
         victim.wait(timeout=10)
         lost = in_flight(log)
@@ -61,18 +63,22 @@ def test_a_worker_killed_mid_group_has_its_groups_regenerated_by_the_other_and_e
     assert lost, "the victim held no group when it was killed"
     assert len(rows) >= STEPS
     g = cfg.grpo
-    seen: dict[str, str] = {}
+    seen: dict[str, types_pb2.TrajectoryGroup] = {}
     for batch in got:
         assert batch.ready and len(batch.groups) == g.num_prompts_per_step
         for group in batch.groups:
             assert group.group_id not in seen, f"group {group.group_id} reached the trainer twice"
-            seen[group.group_id] = group.worker_id
+            seen[group.group_id] = group
     # The victim may have published a group and died before logging it: replay then keeps the victim's copy
-    # and drops the survivor's regenerated one (same group id). Every other in-flight group is regenerated.
+    # (finished before the kill) and drops the survivor's regenerated one (same group id).
     authors = {f"-{victim.pid}": "victim", f"-{survivor.pid}": "survivor"}
     by = {}
     for group_id in lost:
         assert group_id in seen, f"the killed worker's group {group_id} never reached replay"
-        by[group_id] = next((who for suffix, who in authors.items() if seen[group_id].endswith(suffix)), seen[group_id])
+        group = seen[group_id]
+        by[group_id] = next((who for suffix, who in authors.items() if group.worker_id.endswith(suffix)),
+                            group.worker_id)
+        if by[group_id] == "victim":
+            assert group.finished_at_unix_ns < killed_ns, f"{group_id} attributed to the dead worker after its death"
     assert set(by.values()) <= {"victim", "survivor"}, by
     assert "survivor" in by.values(), f"no group of the killed worker was regenerated: {by}"
