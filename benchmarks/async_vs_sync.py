@@ -73,7 +73,7 @@ def main() -> None:
     print(f"trainer on CPUs {sorted(TRAINER_CPUS)}, the rest of the stack on {sorted(OTHER_CPUS)}" if args.pin
           else "not pinned")
     print(f"{'':<14}{'step s':>9}{'train s':>9}{'wait s':>9}{'staleness':>11}{'reward@end':>12}")
-    for name, r in ((f"sync (k=0)", sync), (f"async (k={args.k})", async_)):
+    for name, r in (("sync (k=0)", sync), (f"async (k={args.k})", async_)):
         print(f"{name:<14}{r['step_s']:9.3f}{r['train_s']:9.3f}{r['wait_s']:9.3f}{r['staleness']:11.2f}"
               f"{r['reward_last10']:12.3f}")
     speedup = sync["step_s"] / async_["step_s"]

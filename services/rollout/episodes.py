@@ -10,7 +10,6 @@ span of the group's trace (time to first token, tokens, version, worker); docs/o
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field

@@ -3,7 +3,6 @@ kill -9 of Redis (AOF) after groups were acked. Every group id is counted end to
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

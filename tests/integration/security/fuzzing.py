@@ -13,13 +13,14 @@ and over-deep groups, nesting past protobuf's recursion limit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -407,7 +408,7 @@ class Prober:
     caller: Caller
     deadline_s: float = 5.0
     every_s: float = 0.25
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = dataclasses.field(default_factory=list)
 
     @contextmanager
     def watching(self):
