@@ -31,18 +31,10 @@ class AlreadyExists(FlywheelError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
-class ResourceExhausted(FlywheelError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
 class FailedPrecondition(FlywheelError):
     """A well-formed request that the run's state refuses (a Commit ahead of the trainer's checkpoint)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Unauthenticated(FlywheelError):
-    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(FlywheelError):

@@ -15,8 +15,3 @@ def leasable_targets(next_target: int, loaded_version: int, max_staleness: int, 
     if loaded_version < 0:
         return range(next_target, next_target)
     return range(next_target, min(max_num_steps, loaded_version + max_staleness + 1))
-
-
-def outstanding_bound(max_staleness: int, prompts_per_step: int) -> int:
-    """Most groups leased and not yet consumed under the rule above."""
-    return (max_staleness + 1) * prompts_per_step
