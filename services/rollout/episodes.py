@@ -14,11 +14,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from google.protobuf import struct_pb2
 from opentelemetry import trace
 from prometheus_client import Histogram
 
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
-from services.common.structs import from_struct, to_struct
 from services.rollout.engines import Engine, Generated, Sampling
 
 tracer = trace.get_tracer("flywheel.rollout")
@@ -29,7 +29,8 @@ TTFT_SECONDS = Histogram("flywheel_rollout_ttft_seconds", "Time to first token o
 @dataclass(kw_only=True, slots=True)
 class EpisodeState:
     messages: list[dict]
-    metadata: dict
+    metadata: struct_pb2.Struct
+    """The environment's per-episode state, kept as the message it travels as: it is only ever passed back."""
     stop_strings: list[str]
     token_ids: list[int] = field(default_factory=list)
     generated_mask: list[bool] = field(default_factory=list)
@@ -75,7 +76,7 @@ class EpisodeRunner:
         prompt = [{"role": m.role, "content": m.content} for m in group.messages]
         prompt_ids = prompt_token_ids(tok, prompt)
         sampling = Sampling.resolve(self.default_sampling, group.sampling)
-        episodes = [EpisodeState(messages=list(prompt), metadata=from_struct(group.metadata),
+        episodes = [EpisodeState(messages=list(prompt), metadata=group.metadata,
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
         gen_s = env_s = 0.0
         turns = max(1, group.max_turns)
@@ -140,7 +141,7 @@ class EpisodeRunner:
     async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int) -> None:
         request = environment_pb2.StepRequest(env_name=group.env_name, episodes=[
             environment_pb2.Episode(messages=[types_pb2.ChatMessage(**m) for m in e.messages],
-                                    metadata=to_struct(e.metadata)) for e in active])
+                                    metadata=e.metadata) for e in active])
         response = await self.env.Step(request, timeout=self.env_timeout_s, wait_for_ready=True)
         tok = self.engine.tokenizer
         for e, r in zip(active, response.results, strict=True):
@@ -162,7 +163,7 @@ class EpisodeRunner:
             if r.next_stop_strings:
                 e.stop_strings = list(r.next_stop_strings)
             if r.HasField("metadata"):
-                e.metadata = from_struct(r.metadata)
+                e.metadata = r.metadata
 
 
 def _record_generation(span: trace.Span, outs: list[Generated], version_end: int) -> None:
