@@ -107,18 +107,25 @@ def receiver_main(a: argparse.Namespace) -> None:
 
 
 def raw_receive(backend: str, store, cmd: dict, rank: int, flat) -> None:
-    import torch
     from torch.distributed import PrefixStore
 
     prefix = PrefixStore(cmd["prefix"], store)
     if backend == "gloo":
         pg = _gloo(prefix, rank, cmd["world"])
         for _ in range(2):  # an untimed first transfer on the new connections, then the timed one
-            pg.broadcast(flat, 0).wait(timedelta(seconds=120))
-            pg.allreduce(torch.zeros(1)).wait(timedelta(seconds=120))  # "received": the sender's clock stops
+            _gloo_transfer(pg, flat)
         return
     _nixl_read(prefix, flat)
     prefix.set(f"done/{rank}", "1")
+
+
+def _gloo_transfer(pg, flat) -> None:
+    """One raw transfer, run alike by sender and receivers: the broadcast, then a one-float allreduce that
+    returns once every receiver has the bytes (the sender's clock stops there)."""
+    import torch
+
+    pg.broadcast(flat, 0).wait(timedelta(seconds=120))
+    pg.allreduce(torch.zeros(1)).wait(timedelta(seconds=120))
 
 
 def _gloo(store, rank: int, world: int):
@@ -206,16 +213,12 @@ class Bench:
         prefix = PrefixStore(prefix_name, self.sender.store)
         self.command("raw", prefix=prefix_name, world=self.n + 1)
         if self.backend == "gloo":
-            import torch
-
             # Neither connection setup nor the first transfer on the new connections is timed: the channel
-            # reuses its group. The clock stops when every receiver has the bytes: a one-float allreduce on
-            # the same group, which costs less than polling the store for "done" keys.
+            # reuses its group. The allreduce that ends each transfer costs less than polling the store.
             pg = _gloo(prefix, 0, self.n + 1)
             for _ in range(2):
                 start = time.perf_counter()
-                pg.broadcast(flat, 0).wait(timedelta(seconds=120))
-                pg.allreduce(torch.zeros(1)).wait(timedelta(seconds=120))
+                _gloo_transfer(pg, flat)
             return self.nbytes / (time.perf_counter() - start) / 1e9
         agent = _agent()
         start = time.perf_counter()
