@@ -208,6 +208,8 @@ def main() -> None:
     parser.add_argument("--per-step", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.groups % args.per_step:  # a partial batch would stay in replay and be sampled in the next round
+        parser.error("--groups must be a multiple of --per-step")
     mb = sum(map(len, make_payloads(1))) / 1e6
     print(f"{args.groups} groups per round, {mb * 1000:.0f} kB each, {mb * args.groups:.0f} MB per round, "
           f"{args.rounds} rounds")
