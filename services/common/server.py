@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import queue
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -237,29 +238,60 @@ async def retrying(call: Callable[..., Awaitable], request, *, rpc: str, stop: a
 
 
 def in_daemon_thread(fn, *args, **kwargs) -> asyncio.Future:
-    """Run a blocking call (a collective, a training step) off the event loop.
+    """Run a blocking call (a collective, a training step) off the event loop, on a new thread.
 
     Unlike asyncio.to_thread, the thread is a daemon: a service told to stop exits at once
     instead of waiting, at interpreter shutdown, for a collective stuck on a dead peer.
     """
     loop = asyncio.get_running_loop()
     future = loop.create_future()
+    threading.Thread(target=_settle, args=(loop, future, fn, args, kwargs), daemon=True).start()
+    return future
+
+
+class SerialThread:
+    """One daemon thread that runs blocking calls one at a time, in the order they were made.
+
+    For a caller that makes many calls a second (an engine's generate calls): starting a thread
+    per call (in_daemon_thread) blocks the event loop in Thread.start until the new thread runs,
+    and on a busy host that is a scheduler time slice per call.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args, **kwargs) -> asyncio.Future:
+        """Queue `fn(*args, **kwargs)`; the future settles with its result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, fn, args, kwargs))
+        return future
+
+    def close(self) -> None:
+        """Calls already queued still run; the thread ends after them."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            _settle(*item)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn, args, kwargs) -> None:
+    """Run fn in this thread and settle `future` with the outcome on its loop."""
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as err:  # handed to the awaiting coroutine
+        outcome = (future.set_exception, err)
+    else:
+        outcome = (future.set_result, result)
 
     def settle(setter, value) -> None:
-        if not future.done():
+        if not future.done():  # the caller may have been cancelled meanwhile
             setter(value)
 
-    def target() -> None:
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as err:  # handed to the awaiting coroutine
-            outcome = (future.set_exception, err)
-        else:
-            outcome = (future.set_result, result)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-    threading.Thread(target=target, daemon=True).start()
-    return future
+    try:
+        loop.call_soon_threadsafe(settle, *outcome)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass

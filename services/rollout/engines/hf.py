@@ -1,7 +1,7 @@
 """The Hugging Face transformers backend (`policy.generation.backend: hf`): for machines without vLLM.
 
-Calls run one padded batch at a time; calls and weight loads take turns under one lock, so a load
-always happens between requests and every token of a call carries the version loaded during the call.
+Calls run one padded batch at a time on the engine's one thread, where weight loads take their turn, so a
+load always happens between batches and every token of a call carries the version loaded during the call.
 Calls that wait while a batch runs are merged into the next batch when they sample alike (same settings,
 no seed, and the wider padding leaves every row its full max_new_tokens): a rollout worker's groups in
 flight then cost one `generate` instead of one each, as a continuous-batching engine would. A batch cannot
@@ -15,7 +15,6 @@ The weight receiver runs in this process and fills the model's own parameters in
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy, token_logprobs
-from services.common.server import in_daemon_thread
+from services.common.server import SerialThread
 from services.rollout.engines import Engine, Generated, Sampling
 
 
@@ -41,7 +40,7 @@ class HFEngine(Engine):
         self.receiver = WeightReceiver(worker_id, cfg.weight_sync.backend, host=cfg.addresses.host)
         self.buffers = {name: t.data for name, t in self.model.state_dict(keep_vars=True).items()}
         self.version = -1
-        self.lock = threading.Lock()  # generate calls and weight loads take turns
+        self.thread = SerialThread("hf-engine")  # batches and weight loads take turns on it
         self._waiting: list[tuple[list[list[int]], Sampling, asyncio.Future]] = []
         self._arrived = asyncio.Event()  # set by each call that starts waiting
         self._runner: asyncio.Task | None = None
@@ -63,7 +62,7 @@ class HFEngine(Engine):
             batch = self._take_batch()
             t0 = time.perf_counter()
             try:
-                outs = await in_daemon_thread(self._generate, [p for ps, _, _ in batch for p in ps], batch[0][1])
+                outs = await self.thread.call(self._generate, [p for ps, _, _ in batch for p in ps], batch[0][1])
             except BaseException as err:  # noqa: BLE001 - every caller of the batch gets it
                 for *_, future in batch:
                     if future.done():
@@ -110,16 +109,16 @@ class HFEngine(Engine):
         return batch
 
     async def load_weights(self, announcement: dict[str, Any], timeout_s: float) -> str:
-        return await in_daemon_thread(self._load, announcement, timeout_s)
+        return await self.thread.call(self._load, announcement, timeout_s)
 
     async def close(self) -> None:
+        self.thread.close()
         self.receiver.close()
 
     def _load(self, announcement: dict[str, Any], timeout_s: float) -> str:
-        with self.lock:
-            digest = self.receiver.receive(announcement, self.buffers, timeout_s=timeout_s)
-            self.version = int(announcement["version"])
-            return digest
+        digest = self.receiver.receive(announcement, self.buffers, timeout_s=timeout_s)
+        self.version = int(announcement["version"])
+        return digest
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generated]:
@@ -134,17 +133,16 @@ class HFEngine(Engine):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         first = _FirstToken()
-        with self.lock:
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                logits_processor=[first],
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
-                max_new_tokens=budget, eos_token_id=self._stop_ids(sampling), pad_token_id=tok.pad_token_id,
-                stop_strings=sampling.stop_strings or None, tokenizer=tok if sampling.stop_strings else None,
-                return_dict_in_generate=True, output_logits=True)
-            version = self.version
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
+            logits_processor=[first],
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
+            max_new_tokens=budget, eos_token_id=self._stop_ids(sampling), pad_token_id=tok.pad_token_id,
+            stop_strings=sampling.stop_strings or None, tokenizer=tok if sampling.stop_strings else None,
+            return_dict_in_generate=True, output_logits=True)
+        version = self.version  # no load runs meanwhile: loads take their turn on this thread
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).cpu()  # raw logits: the trainer's definition after / T
         logp = token_logprobs(logits, new, sampling.temperature)
