@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 
 import grpc
@@ -300,6 +301,13 @@ class RolloutWorker:
             await msg.in_progress()
 
 
+GIL_SWITCH_S = 0.0005
+"""sys.setswitchinterval of the rollout process. The hf engine generates on a thread that holds the GIL
+between torch ops; each syscall of the event loop (a socket write, a log line) hands the GIL to it, and the
+interval is how long the loop then waits to get it back: at the default 5 ms, a group's Step, publish and
+the next lease waited on generation for several milliseconds each (benchmarks/service_overhead.py)."""
+
+
 def _transient(err: Exception) -> bool:
     """A busy or restarting broker or environment service: expected, and the group is run again, so a
     warning says it without a traceback."""
@@ -310,6 +318,7 @@ async def serve(cfg: FlywheelConfig) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.setswitchinterval(GIL_SWITCH_S)
     setup_telemetry("rollout", cfg.run.name, cfg.telemetry)
     t0 = time.perf_counter()
     worker_id = f"rollout-{socket.gethostname()}-{os.getpid()}"
