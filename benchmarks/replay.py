@@ -245,6 +245,14 @@ def main() -> None:
     print(f"ingest CPU ms per group (median): raw: client {med['cpu_raw_client']:.3f} + redis {med['cpu_raw_redis']:.3f}"
           f"; service: replay {med['cpu_svc_replay']:.3f} + redis {med['cpu_svc_redis']:.3f} "
           f"+ nats {med['cpu_svc_nats']:.3f}")
+    # The service path's ingest needs replay's one thread for each group, and every process on the path a share
+    # of the cores: its rate cannot pass either bound, whatever the overlap.
+    replay_ms = med["cpu_svc_replay"]
+    path_ms = replay_ms + med["cpu_svc_redis"] + med["cpu_svc_nats"]
+    cores = os.cpu_count() or 1
+    bound = min(1e3 / replay_ms, cores * 1e3 / path_ms)
+    print(f"ingest bound from that CPU: replay's thread {1e3 / replay_ms:.0f} groups/s, {cores} cores over the path "
+          f"{cores * 1e3 / path_ms:.0f} groups/s: at most {bound / med['raw_in']:.2f} of raw's median")
     print(f"sample over bare gRPC (a server that only returns the same reply bytes, no Redis), in the same turns: "
           f"{med['bare_out']:.0f} batches/s, {statistics.median(x['bare_out'] / x['raw_out'] for x in rounds):.2f} of raw")
     print(f"for context: JetStream publish {med['published']:.0f} groups/s; parsing one Sample reply "
