@@ -46,6 +46,8 @@ class HFEngine(Engine):
         self._runner: asyncio.Task | None = None
         self._active = 0  # calls answered by the last batch plus those that waited meanwhile
         self._batch_s = 0.0  # how long the last batch took
+        self.running_rows = 0
+        """Rows of the batch handed to the engine's thread and not returned yet (0 between batches)."""
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generated]:
         future = asyncio.get_running_loop().create_future()
@@ -61,8 +63,10 @@ class HFEngine(Engine):
             await self._fill()
             batch = self._take_batch()
             t0 = time.perf_counter()
+            rows = [p for ps, _, _ in batch for p in ps]
+            self.running_rows = len(rows)
             try:
-                outs = await self.thread.call(self._generate, [p for ps, _, _ in batch for p in ps], batch[0][1])
+                outs = await self.thread.call(self._generate, rows, batch[0][1])
             except BaseException as err:  # noqa: BLE001 - every caller of the batch gets it
                 for *_, future in batch:
                     if future.done():
@@ -74,6 +78,8 @@ class HFEngine(Engine):
                 if isinstance(err, asyncio.CancelledError):
                     raise
                 continue
+            finally:
+                self.running_rows = 0
             self._batch_s, self._active = time.perf_counter() - t0, len(batch) + len(self._waiting)
             start = 0
             for prompts, _, future in batch:

@@ -76,12 +76,12 @@ def token_mult_prob_error(gen: torch.Tensor, train: torch.Tensor) -> float:
 
 
 async def until_generating(engine: Engine, requests: int) -> None:
-    """Until `requests` requests are in the engine (vllm: its output processor holds them) or, for hf, a
-    generate call holds the engine: what a test starts next is submitted after them."""
+    """Until `requests` requests are in the engine (vllm: its output processor holds them; hf: the batch on
+    its thread): what a test starts next is submitted after them."""
     def busy() -> bool:
         if hasattr(engine, "llm"):
             return engine.llm.output_processor.get_num_unfinished_requests() >= requests
-        return engine.lock.locked()
+        return engine.running_rows >= requests
 
     while not busy():
         await asyncio.sleep(0.005)
