@@ -259,11 +259,14 @@ class SerialThread:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def call(self, fn, *args, **kwargs) -> asyncio.Future:
         """Queue `fn(*args, **kwargs)`; the future settles with its result or exception."""
+        if self._closed:  # nothing would ever run it: the caller would wait for ever
+            raise RuntimeError(f"{self._thread.name}: closed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._calls.put((loop, future, fn, args, kwargs))
@@ -271,6 +274,7 @@ class SerialThread:
 
     def close(self) -> None:
         """Calls already queued still run; the thread ends after them."""
+        self._closed = True
         self._calls.put(None)
 
     def _serve(self) -> None:

@@ -43,6 +43,8 @@ async def test_serial_thread_hands_the_exception_to_its_caller_and_keeps_serving
     thread.close()
     thread._thread.join(timeout=5)
     assert not thread._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.call(lambda: 7)
 
 
 async def test_in_daemon_thread_runs_each_call_on_a_new_daemon_thread():
