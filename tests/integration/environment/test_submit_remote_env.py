@@ -109,7 +109,7 @@ def test_submitted_remote_env_trains_and_stops_after_remove(stack):
         rows = wait_until(stack, lambda rows: sum(key in r for r in rows) >= 2, f"{key} in metrics")
         trained = [r for r in rows if key in r]
         assert all(0.0 <= r[key] <= 1.0 for r in trained)
-        groups = asyncio.run(sampled_groups(stack, trained[-1]["step"]))
+        groups = sampled_groups_of_a_step_not_yet_committed(stack, key, len(trained))
         assert NAME in {g.env_name for g in groups}
 
         removed = subprocess.run(
@@ -130,6 +130,23 @@ async def sampled_groups(stack: LocalStack, step: int) -> list[types_pb2.Traject
         response = await replay_pb2_grpc.ReplayServiceStub(ch).Sample(replay_pb2.SampleRequest(
             step=step, prompts_per_step=g.num_prompts_per_step, max_staleness=g.max_staleness), timeout=20)
     return list(response.groups)
+
+
+def sampled_groups_of_a_step_not_yet_committed(stack: LocalStack, key: str, seen: int,
+                                               tries: int = 3) -> list[types_pb2.TrajectoryGroup]:
+    """The batch of the newest step that trained on `key`'s environment. A checkpoint committed at that step
+    meanwhile has let replay delete its batch (INVALID_ARGUMENT): then the next such step's."""
+    for _ in range(tries):
+        rows = wait_until(stack, lambda rows, seen=seen: sum(key in r for r in rows) >= seen,
+                          f"{seen} rows with {key}")
+        trained = [r for r in rows if key in r]
+        try:
+            return asyncio.run(sampled_groups(stack, trained[-1]["step"]))
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or "committed" not in (err.details() or ""):
+                raise
+            seen = len(trained) + 1
+    raise AssertionError(f"every step that trained on {key} was committed before its batch could be read")
 
 
 async def next_target_step(stack: LocalStack) -> int:
