@@ -8,11 +8,19 @@
 Back-pressure is the admission rule itself (admission.py): nothing is leased for a step
 whose weights are more than k versions ahead of what rollout serves, so the work queue
 and the replay buffer hold at most (k + 1) * prompts_per_step groups of a healthy run.
+
+A lease is published before the run state that records it is saved (state.py). A controller
+killed between the two leases the same groups again when it restarts: each lease's group id
+and prompt are functions of the run's lease seed (saved with the state before the first
+lease) and of what the lease is for (step t's i-th prompt, the replacement of group g), so
+the second publish carries the first one's message id and JetStream drops it, if it comes
+within the work stream's duplicate window (2 minutes, NATS's default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -58,12 +66,13 @@ class Controller:
         self.reporting = reporting
         self.state = state
         """Where the lease position is saved after every window (state.py); None keeps it in memory only."""
-        self.rng = random.Random(cfg.run.seed)
         self.tracer = trace.get_tracer("flywheel.controller")
         self.workers: dict[str, tuple[int, float]] = {}  # worker_id -> (loaded version, last seen)
         self.trained_step = -1
         self.next_target = 0
         self.leased: dict[str, types_pb2.PromptGroup] = {}  # for re-leasing stale groups
+        self.lease_seed = uuid.uuid4().hex
+        """Makes group ids unique to this run; saved with its state, so a restarted controller keeps it."""
         self.releases = 0
         self.refills: dict[int, int] = {}  # target step -> prompts leased to replace filtered groups
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
@@ -117,31 +126,42 @@ class Controller:
         for target in leasable_targets(self.next_target, self.loaded_version, g.max_staleness, g.max_num_steps):
             if not self.registry.active():
                 return
-            for _ in range(g.num_prompts_per_step):
-                if not await self._lease(target):
+            for i in range(g.num_prompts_per_step):
+                if not await self._lease(target, f"step/{target}/{i}"):
                     return
             self.next_target = target + 1
         self._forget_consumed()
 
     def snapshot(self) -> RunState:
         entries = self.registry.all()
-        return RunState(next_target=self.next_target, releases=self.releases,
+        return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
-    def restore(self, state: RunState, leased: dict[str, types_pb2.PromptGroup]) -> None:
-        """Continue a run a stopped controller was leasing: same next target, each cursor where it was,
-        and the groups in flight, so the stale ones among them are leased again."""
-        self.next_target, self.releases, self.leased = state.next_target, state.releases, dict(leased)
+    async def resume(self) -> None:
+        """Continue the run a stopped controller was leasing, if the state store has one: same next target and
+        lease seed, each cursor where it was, and the groups in flight, so the stale ones among them are leased
+        again. A new run saves its state (the lease seed) before its first lease."""
+        saved = await self.state.load()
+        if saved is None:
+            await self.state.save(self.snapshot())
+            return
+        self.next_target, self.releases = saved.next_target, saved.releases
+        self.leased = await self.state.load_leases()
+        self.lease_seed = saved.lease_seed or self.lease_seed  # a state saved before lease seeds had none
         for entry in self.registry.all():
-            entry.cursor.seek(state.offsets.get(entry.spec.name, 0))
-            entry.leased = state.leased.get(entry.spec.name, 0)
-        log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, state.offsets)
+            entry.cursor.seek(saved.offsets.get(entry.spec.name, 0))
+            entry.leased = saved.leased.get(entry.spec.name, 0)
+        log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, saved.offsets)
 
-    async def _lease(self, target: int, again: types_pb2.PromptGroup | None = None) -> bool:
-        """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
+    async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
+        """Publishes one group for `target`; False when the chosen dataset's epochs are used up. `key` names
+        what the lease is for, the same after a restart: the group id and the environment drawn follow from it."""
+        group_id = hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:32]
+        if group_id in self.leased:  # made already: the event that asked for it came twice
+            return True
         if again is None:
-            env = self.registry.choose(self.rng)
+            env = self.registry.choose(random.Random(f"{self.cfg.run.seed}/{key}"))
             try:
                 prompt_id, row = await env.cursor.next()
             except Exhausted:
@@ -162,7 +182,7 @@ class Controller:
         else:
             group = types_pb2.PromptGroup()
             group.CopyFrom(again)
-        group.group_id = uuid.uuid4().hex
+        group.group_id = group_id
         group.target_step = target
         group.leased_at_unix_ns = time.time_ns()
         with self.tracer.start_as_current_span("controller.lease", attributes={  # the group's trace starts here
@@ -209,12 +229,12 @@ class Controller:
             old = self.leased.pop(gid, None)
             self.releases += 1
             if old is not None:  # lease the same prompt for the step that is waiting for data
-                await self._lease(max(self.trained_step + 1, old.target_step), again=old)
+                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=old)
             else:
                 # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
                 # its step was filled from later steps' groups, so the run is one group short. A new prompt.
                 log.warning("group %s went stale after its lease was forgotten; leasing a new prompt", gid)
-                await self._lease(self.trained_step + 1)
+                await self._lease(self.trained_step + 1, f"again/{gid}")
 
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
@@ -229,7 +249,7 @@ class Controller:
                 self.wake.set()
                 return
             self.releases += 1
-            await self._lease(target)
+            await self._lease(target, f"refill/{gid}")
 
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
@@ -330,9 +350,7 @@ async def serve(cfg: FlywheelConfig) -> None:
     reporting = Reporting(cfg, tracker, _validation(cfg, data, tracker),
                           replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
     controller = Controller(cfg, bus, registry, reporting, state)
-    saved = await state.load()
-    if saved is not None:
-        controller.restore(saved, await state.load_leases())
+    await controller.resume()
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(

@@ -1,6 +1,6 @@
 """The controller's share of run state, kept in a NATS KV bucket so a restarted controller goes on.
 
-    lease window ──▶ RunState{next_target, cursor offsets, leased counts, releases} ──put──▶ key "controller"
+    lease window ──▶ RunState{next_target, cursor offsets, leased counts, releases, lease seed} ──put──▶ key "controller"
                  └─▶ groups leased and not yet trained ──put / purge──▶ keys "lease.<group id>"
     SubmitEnvironment / RemoveEnvironment ──put / purge──▶ keys "env.<name>" (the spec as submitted)
     controller start ──get──▶ RunState, leases, submitted specs ──▶ same mix, same next target, each
@@ -37,6 +37,8 @@ class RunState:
     leased: dict[str, int] = field(default_factory=dict)
     """Environment name -> groups leased from it (status)."""
     releases: int = 0
+    lease_seed: str = ""
+    """Part of every group id the run leases (main.py): a restarted controller's leases get the same ids."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

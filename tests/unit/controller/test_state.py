@@ -33,9 +33,7 @@ async def _controller(cfg, bus: Bus) -> Controller:
                                                         shuffle=True), num_prompts=len(rows))
     state = await StateStore.open(bus.js, cfg.run.name)
     controller = Controller(cfg, bus, registry, None, state)
-    saved = await state.load()
-    if saved is not None:
-        controller.restore(saved, await state.load_leases())
+    await controller.resume()
     return controller
 
 
@@ -76,6 +74,83 @@ def test_a_restarted_controller_leases_each_prompt_of_each_epoch_exactly_once(tm
     for epoch in range(EPOCHS):
         rows = {i.split("/")[-1] for i in ids if f"/e{epoch}/" in i}
         assert len(rows) == 9  # every kept row of the epoch once; the dropped one never
+
+
+def test_a_controller_killed_between_publishing_a_window_and_saving_it_leases_no_group_twice(tmp_path, nats_server):
+    """Its successor leases step 1 again from the saved state: the same group ids and prompts, so JetStream
+    drops the second publish of each (the work queue's duplicate window) and the step gets its groups once."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        first = await _controller(cfg, bus)
+        await _serve_versions(first, range(0, 1))
+        first.workers["rollout-a"] = (1, time.monotonic())
+        await first._lease_window()  # step 1 published; killed before the save
+        published = {g.group_id: g.prompt_id for g in first.leased.values() if g.target_step == 1}
+        await bus.close()
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        restarted = await _controller(cfg, bus)
+        assert restarted.next_target == 1
+        await _serve_versions(restarted, range(1, 6))
+        again = {g.group_id: g.prompt_id for g in restarted.leased.values() if g.target_step == 1}
+        groups = await _leased(bus)
+        await bus.close()
+        return groups, published, again
+
+    groups, published, again = asyncio.run(go())
+    assert again == published
+    assert Counter(g.target_step for g in groups) == {t: PER_STEP for t in range(6)}
+    assert len({g.prompt_id for g in groups}) == 18
+
+
+def test_a_stale_report_handled_again_after_a_restart_leases_one_replacement(tmp_path, nats_server):
+    """The report's consumer acks after the re-lease: a controller killed in between gets it again."""
+    cfg = _cfg(tmp_path, nats_server.url)
+    stale = type("Msg", (), {})
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        first = await _controller(cfg, bus)
+        await _serve_versions(first, range(0, 2))
+        gid, old = next((gid, g) for gid, g in first.leased.items() if g.target_step == 1)
+        stale.data = types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()
+        first.trained_step = 0
+        await first._on_stale(stale)  # the replacement published; killed before the save and the ack
+        await bus.close()
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        restarted = await _controller(cfg, bus)
+        restarted.trained_step = 0
+        await restarted._on_stale(stale)  # redelivered
+        groups = await _leased(bus)
+        await bus.close()
+        return groups, gid, old.prompt_id
+
+    groups, gid, prompt = asyncio.run(go())
+    assert len([g for g in groups if g.prompt_id == prompt and g.group_id != gid]) == 1
+
+
+def test_a_stale_report_announced_twice_leases_one_replacement(tmp_path, nats_server):
+    """Replay killed after publishing its outbox and before trimming it announces the same ids again."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        await _serve_versions(controller, range(0, 2))
+        before = dict(controller.leased)
+        gid = next(gid for gid, g in before.items() if g.target_step == 1)
+        controller.trained_step = 0
+        stale = type("Msg", (), {"data": types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()})
+        await controller._on_stale(stale)
+        await controller._on_stale(stale)
+        groups = await _leased(bus)
+        await bus.close()
+        return groups, before, controller.registry.entries["math"].cursor.offset
+
+    groups, before, offset = asyncio.run(go())
+    assert len(groups) == len(before) + 1
+    assert offset == 2 * PER_STEP, "the second report took no prompt from the dataset"
 
 
 def test_run_state_round_trips_through_the_bucket(nats_server):
