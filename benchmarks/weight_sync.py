@@ -6,8 +6,11 @@ For each backend, payload size, receiver count and layout of the state dict it p
             broadcast on a bare, already connected ProcessGroupGloo after an untimed first one, as the
             channel reuses its group, timed until a one-float allreduce says every receiver has it; nixl:
             register + one READ of one buffer): the transport's ceiling
+  split     gloo only: the same flat bytes broadcast in the pieces the channel's plan sends for this layout
+            (one per bucket, at most two in flight, as the channel does): the transport's ceiling for that
+            many transfers, since each gloo broadcast has a fixed cost
   memcpy    torch copy_ of the same bytes in one process: the machine's ceiling
-and the ratios channel/raw and channel/memcpy. GB = 1e9 bytes. Each figure is the best of `--repeat` runs
+and the ratios channel/raw, channel/split and channel/memcpy. GB = 1e9 bytes. Each figure is the best of `--repeat` runs
 after one warm-up. Layouts (float32):
   decoder      the tensor mix of a real decoder (hidden 512 or 1024, GQA, MLP 2.75x, biases and norms,
                ~20% of bytes in embeddings): tensors of 2 KiB to 100 MB, 3-4% of bytes packed
@@ -84,6 +87,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 def receiver_main(a: argparse.Namespace) -> None:
     import torch
 
+    from torch.distributed import PrefixStore
+
     from services.common.weights import WeightReceiver, poll_announcement
     from services.common.weights.rendezvous import Deadline, connect_store, wait_key
 
@@ -104,6 +109,10 @@ def receiver_main(a: argparse.Namespace) -> None:
             receiver.receive(ann, into[cmd["layout"]], timeout_s=120)
         elif cmd["op"] == "raw":
             raw_receive(a.backend, store, cmd, a.rank, flat)
+        elif cmd["op"] == "split":
+            pg = _gloo(PrefixStore(cmd["prefix"], store), a.rank, cmd["world"])
+            for _ in range(cmd["times"]):
+                _gloo_transfer(pg, flat, cmd["sizes"])
 
 
 def raw_receive(backend: str, store, cmd: dict, rank: int, flat) -> None:
@@ -119,13 +128,21 @@ def raw_receive(backend: str, store, cmd: dict, rank: int, flat) -> None:
     prefix.set(f"done/{rank}", "1")
 
 
-def _gloo_transfer(pg, flat) -> None:
-    """One raw transfer, run alike by sender and receivers: the broadcast, then a one-float allreduce that
-    returns once every receiver has the bytes (the sender's clock stops there)."""
+def _gloo_transfer(pg, flat, sizes: list[int] | None = None) -> None:
+    """One raw transfer, run alike by sender and receivers: the broadcast (of `flat`, or of consecutive pieces
+    of it of these sizes, at most two in flight), then a one-float allreduce that returns once every receiver
+    has the bytes (the sender's clock stops there)."""
     import torch
 
-    pg.broadcast(flat, 0).wait(timedelta(seconds=120))
-    pg.allreduce(torch.zeros(1)).wait(timedelta(seconds=120))
+    works, start, limit = [], 0, timedelta(seconds=120)
+    for size in sizes or [flat.numel()]:
+        works.append(pg.broadcast(flat[start:start + size], 0))
+        start += size
+        if len(works) > 2:
+            works.pop(0).wait(limit)
+    for work in works:
+        work.wait(limit)
+    pg.allreduce(torch.zeros(1)).wait(limit)
 
 
 def _gloo(store, rank: int, world: int):
@@ -233,6 +250,23 @@ class Bench:
         agent.deregister_memory(reg)
         return self.nbytes / seconds / 1e9
 
+    def split(self, flat, sizes: list[int], repeat: int) -> float:
+        """gloo: the same bytes in the channel plan's pieces on one group, best of `repeat` after a warm-up."""
+        from torch.distributed import PrefixStore
+
+        prefix_name = f"bench/split/{self.k + 1}"
+        self.command("split", prefix=prefix_name, world=self.n + 1, sizes=sizes, times=repeat + 1)
+        pg = _gloo(PrefixStore(prefix_name, self.sender.store), 0, self.n + 1)
+        _gloo_transfer(pg, flat, sizes)  # connections and first touch, untimed
+        best = min(_timed(lambda: _gloo_transfer(pg, flat, sizes)) for _ in range(repeat))
+        return sum(sizes) / best / 1e9
+
+    def pieces(self, state) -> list[int]:
+        """Bytes of each transfer the channel's plan makes for `state`."""
+        from services.common.weights.manifest import Manifest, plan_buckets
+
+        return [b.nbytes for b in plan_buckets(Manifest.of(state), self.sender.bucket_bytes, self.sender.whole_bytes)]
+
     def close(self) -> None:
         self.command("exit")
         for p in self.procs:
@@ -259,7 +293,8 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     print(f"{'backend':<8} {'size':>6} {'recv':>4} {'layout':<12} {'tensors':>7} {'channel GB/s':>13} "
-          f"{'raw GB/s':>9} {'memcpy GB/s':>12} {'chan/raw':>9} {'chan/memcpy':>12}", flush=True)
+          f"{'raw GB/s':>9} {'split GB/s':>11} {'memcpy GB/s':>12} {'chan/raw':>9} {'chan/split':>11} "
+          f"{'chan/memcpy':>12}", flush=True)
     for mb in a.sizes:
         nbytes = mb * 1_000_000 // 4 * 4
         states = {layout: state_for(layout, nbytes) for layout in a.layouts}
@@ -278,11 +313,16 @@ def run(a: argparse.Namespace) -> None:
                             chan[layout] = max(chan.get(layout, 0.0), gbps) if v else 0.0
                     bench.raw(flat)
                     raw = max(bench.raw(flat) for _ in range(a.repeat))
+                    split = {layout: bench.split(flat, bench.pieces(state), a.repeat)
+                             for layout, state in states.items()} if backend == "gloo" else {}
                 finally:
                     bench.close()
                 for layout, gbps in chan.items():
+                    cut = f"{split[layout]:>11.2f}" if layout in split else f"{'-':>11}"
+                    cut_ratio = f"{gbps / split[layout]:>11.2f}" if layout in split else f"{'-':>11}"
                     print(f"{backend:<8} {mb:>4}MB {n:>4} {layout:<12} {len(states[layout]):>7} {gbps:>13.2f} "
-                          f"{raw:>9.2f} {mem:>12.2f} {gbps / raw:>9.2f} {gbps / mem:>12.2f}", flush=True)
+                          f"{raw:>9.2f} {cut} {mem:>12.2f} {gbps / raw:>9.2f} {cut_ratio} {gbps / mem:>12.2f}",
+                          flush=True)
 
 
 def main() -> None:
