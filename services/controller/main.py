@@ -157,9 +157,6 @@ class Controller:
     async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
         """Publishes one group for `target`; False when the chosen dataset's epochs are used up. `key` names
         what the lease is for, the same after a restart: the group id and the environment drawn follow from it."""
-        group_id = hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:32]
-        if group_id in self.leased:  # made already: the event that asked for it came twice
-            return True
         if again is None:
             env = self.registry.choose(random.Random(f"{self.cfg.run.seed}/{key}"))
             try:
@@ -182,7 +179,7 @@ class Controller:
         else:
             group = types_pb2.PromptGroup()
             group.CopyFrom(again)
-        group.group_id = group_id
+        group.group_id = self._group_id(key)
         group.target_step = target
         group.leased_at_unix_ns = time.time_ns()
         with self.tracer.start_as_current_span("controller.lease", attributes={  # the group's trace starts here
@@ -192,6 +189,9 @@ class Controller:
         self.leased[group.group_id] = group
         LEASED.labels(group.env_name).inc()
         return True
+
+    def _group_id(self, key: str) -> str:
+        return hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:32]
 
     def _forget_consumed(self) -> None:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1
@@ -226,6 +226,8 @@ class Controller:
 
     async def _on_stale(self, msg) -> None:
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+            if self._group_id(f"again/{gid}") in self.leased:  # announced twice: replaced already
+                continue
             old = self.leased.pop(gid, None)
             self.releases += 1
             if old is not None:  # lease the same prompt for the step that is waiting for data
@@ -239,6 +241,8 @@ class Controller:
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+            if self._group_id(f"refill/{gid}") in self.leased:  # announced twice: refilled already
+                continue
             old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
             target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
             self.refills[target] = self.refills.get(target, 0) + 1

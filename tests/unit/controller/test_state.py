@@ -146,11 +146,31 @@ def test_a_stale_report_announced_twice_leases_one_replacement(tmp_path, nats_se
         await controller._on_stale(stale)
         groups = await _leased(bus)
         await bus.close()
-        return groups, before, controller.registry.entries["math"].cursor.offset
+        return groups, before, controller.registry.entries["math"].cursor.offset, controller.releases
 
-    groups, before, offset = asyncio.run(go())
-    assert len(groups) == len(before) + 1
+    groups, before, offset, releases = asyncio.run(go())
+    assert len(groups) == len(before) + 1 and releases == 1
     assert offset == 2 * PER_STEP, "the second report took no prompt from the dataset"
+
+
+def test_a_filtered_report_announced_twice_refills_once_and_counts_once(tmp_path, nats_server):
+    """A refill counted twice would also bring the dynamic-sampling budget's fatal stop early."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        await _serve_versions(controller, range(0, 1))
+        gid = next(iter(controller.leased))
+        filtered = type("Msg", (), {"data": types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()})
+        await controller._on_filtered(filtered)
+        await controller._on_filtered(filtered)
+        groups = await _leased(bus)
+        await bus.close()
+        return groups, controller.refills, controller.releases
+
+    groups, refills, releases = asyncio.run(go())
+    assert len(groups) == PER_STEP + 1 and refills == {0: 1} and releases == 1
 
 
 def test_run_state_round_trips_through_the_bucket(nats_server):
