@@ -4,6 +4,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 from services.common.bus import Bus
 from services.common.config import load_config
@@ -44,6 +45,11 @@ async def _serve_versions(controller: Controller, versions: range) -> None:
         await controller._lease_window()
         await controller.state.save(controller.snapshot())
         await controller.state.save_leases(controller.leased)
+
+
+def _report(*group_ids: str):
+    """A StaleGroups message as the stale and filtered consumers hand it over (replay's announcement)."""
+    return SimpleNamespace(data=types_pb2.StaleGroups(group_ids=list(group_ids)).SerializeToString())
 
 
 async def _leased(bus: Bus) -> list[types_pb2.PromptGroup]:
@@ -107,14 +113,13 @@ def test_a_controller_killed_between_publishing_a_window_and_saving_it_leases_no
 def test_a_stale_report_handled_again_after_a_restart_leases_one_replacement(tmp_path, nats_server):
     """The report's consumer acks after the re-lease: a controller killed in between gets it again."""
     cfg = _cfg(tmp_path, nats_server.url)
-    stale = type("Msg", (), {})
 
     async def go():
         bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
         first = await _controller(cfg, bus)
         await _serve_versions(first, range(0, 2))
         gid, old = next((gid, g) for gid, g in first.leased.items() if g.target_step == 1)
-        stale.data = types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()
+        stale = _report(gid)
         first.trained_step = 0
         await first._on_stale(stale)  # the replacement published; killed before the save and the ack
         await bus.close()
@@ -141,7 +146,7 @@ def test_a_stale_report_announced_twice_leases_one_replacement(tmp_path, nats_se
         before = dict(controller.leased)
         gid = next(gid for gid, g in before.items() if g.target_step == 1)
         controller.trained_step = 0
-        stale = type("Msg", (), {"data": types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()})
+        stale = _report(gid)
         await controller._on_stale(stale)
         await controller._on_stale(stale)
         groups = await _leased(bus)
@@ -162,9 +167,8 @@ def test_a_filtered_report_announced_twice_refills_once_and_counts_once(tmp_path
         controller = await _controller(cfg, bus)
         await _serve_versions(controller, range(0, 1))
         gid = next(iter(controller.leased))
-        filtered = type("Msg", (), {"data": types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()})
-        await controller._on_filtered(filtered)
-        await controller._on_filtered(filtered)
+        await controller._on_filtered(_report(gid))
+        await controller._on_filtered(_report(gid))
         groups = await _leased(bus)
         await bus.close()
         return groups, controller.refills, controller.releases
@@ -214,7 +218,7 @@ def test_a_group_leased_before_the_stop_that_goes_stale_after_it_is_leased_again
         restarted = await _controller(cfg, bus)
         gid = next(iter(in_flight))
         restarted.trained_step = 0
-        await restarted._on_stale(type("Msg", (), {"data": types_pb2.StaleGroups(group_ids=[gid]).SerializeToString()}))
+        await restarted._on_stale(_report(gid))
         again = [g for g in restarted.leased.values() if g.prompt_id == in_flight[gid] and g.group_id != gid]
         await bus.close()
         return again, gid in restarted.leased
@@ -234,8 +238,7 @@ def test_a_group_that_goes_stale_after_its_lease_was_forgotten_is_replaced_by_a_
         await _serve_versions(controller, range(0, 2))
         before = dict(controller.leased)
         controller.trained_step = 3
-        await controller._on_stale(type("Msg", (), {"data": types_pb2.StaleGroups(
-            group_ids=["forgotten-long-ago"]).SerializeToString()}))
+        await controller._on_stale(_report("forgotten-long-ago"))
         new = [g for gid, g in controller.leased.items() if gid not in before]
         await bus.close()
         return new, controller.releases, {g.prompt_id for g in before.values()}
