@@ -125,23 +125,30 @@ class Children:
         self.procs[name] = self.spawners[name]()
 
     def stop(self) -> None:
-        """Services first (SIGTERM, then SIGKILL of the group after a grace period), then NATS and Redis."""
+        """Services first, then NATS and Redis."""
+        self.stop_services()
+        _terminate([p for n, p in self.procs.items() if n in INFRA])
+
+    def stop_services(self) -> None:
+        """Every child but NATS and Redis: SIGTERM, then SIGKILL of the group after a grace period."""
         self._due.clear()
-        services = {n: p for n, p in self.procs.items() if n not in INFRA}
-        for group in (services, {n: p for n, p in self.procs.items() if n in INFRA}):
-            for p in group.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            for p in group.values():
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                _kill_group(p)
+        _terminate([p for n, p in self.procs.items() if n not in INFRA])
 
     def tail(self, name: str, lines: int = 30) -> str:
         return "\n".join((self.run_dir / "logs" / f"{name}.log").read_text().splitlines()[-lines:])
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_group(p)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -75,9 +75,10 @@ def _tombstones(stack: LocalStack) -> list[str]:
 
 
 def _run(cfg, run_dir: Path, until, leases: dict[str, str], pause_rollout_at: int | None = None) -> list[str]:
-    """Runs until `until(rows)`, then stops everything. `pause_rollout_at`: SIGSTOP the rollout worker as
-    soon as the first group for that step is leased, so the run cannot get past it however slow the
-    stop is (in CI a stop that came ~3 s late once let the run finish its epoch before it)."""
+    """Runs until `until(rows)`, then stops everything. `pause_rollout_at`: SIGSTOP the rollout worker when
+    the recorder sees the first group for that step, so a slow stop cannot let the run get far past it (in CI
+    a stop that came ~3 s late once let the run finish its epoch before it). The recorder and the rollout
+    get a lease at the same time, so the pause may land a step later; the test allows for that."""
     with LocalStack(cfg, run_dir) as stack:
         paused = []
 
@@ -99,6 +100,9 @@ def _run(cfg, run_dir: Path, until, leases: dict[str, str], pause_rollout_at: in
                 while len(done := _tombstones(stack)) < ROWS and time.monotonic() < deadline:
                     time.sleep(0.5)
         finally:
+            # The services stop before the recorder does, so every lease the controller publishes is recorded
+            # (in CI the controller once leased step 5 after the recorder closed, and the next run trained it).
+            stack.children.stop_services()
             recorder.close()
         leases.update(recorder.groups)
         return done
