@@ -35,6 +35,10 @@ from services.common.telemetry import inject_headers
 # loopback a second is ample to flush what is pending (unacked work is redelivered anyway).
 DRAIN_TIMEOUT_S = 1
 EVENT_ACK_WAIT_S = 10.0
+WORK_DEDUP_WINDOW_S = 3600.0
+"""How long the work stream remembers a lease's message id. A restarted controller publishes again the leases
+it had not yet saved (controller/main.py), and JetStream drops them only within this window. NATS's default of
+2 minutes is shorter than a node's reboot; an hour of ids costs the server a few MB at thousands of leases a minute."""
 _warn = RateLimitedLog(logging.getLogger("flywheel.bus"))
 
 
@@ -130,7 +134,7 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         s = self.subjects
-        await self._ensure(StreamConfig(name=s.stream("work"), subjects=[s.work],
+        await self._ensure(StreamConfig(name=s.stream("work"), subjects=[s.work], duplicate_window=WORK_DEDUP_WINDOW_S,
                                         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
         await self._ensure(StreamConfig(name=s.stream("traj"), subjects=[s.trajectories],
                                         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))

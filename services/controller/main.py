@@ -14,7 +14,7 @@ killed between the two leases the same groups again when it restarts: each lease
 and prompt are functions of the run's lease seed (saved with the state before the first
 lease) and of what the lease is for (step t's i-th prompt, the replacement of group g), so
 the second publish carries the first one's message id and JetStream drops it, if it comes
-within the work stream's duplicate window (2 minutes, NATS's default).
+within the work stream's duplicate window (an hour: bus.WORK_DEDUP_WINDOW_S).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import time
 from collections import Counter
 from types import SimpleNamespace
 
-from services.common.bus import Bus
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
+from services.common.bus import WORK_DEDUP_WINDOW_S, Bus
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 from services.controller.data import load_data
@@ -268,3 +270,23 @@ def test_saving_leases_while_stale_groups_leave_them_keeps_the_bucket_equal_to_w
         return kept
 
     assert sorted(asyncio.run(go())) == sorted(f"g{i}" for i in range(1, 20, 2))
+
+
+def test_a_work_stream_from_before_the_longer_duplicate_window_gets_it_when_a_service_connects(tmp_path, nats_server):
+    """A run started by an older version resumes with NATS's 2-minute window; the controller's dedup needs the hour."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        name = bus.subjects.stream("work")
+        await bus.js.delete_stream(name)
+        await bus.js.add_stream(StreamConfig(name=name, subjects=[bus.subjects.work],
+                                             retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
+        before = (await bus.js.stream_info(name)).config.duplicate_window
+        await bus.close()
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        after = (await bus.js.stream_info(name)).config.duplicate_window
+        await bus.close()
+        return before, after
+
+    assert asyncio.run(go()) == (120, WORK_DEDUP_WINDOW_S)
