@@ -40,8 +40,9 @@ from services.trainer.algorithms.kl import reference_kl_per_token
 class LossInputs:
     """One micro-batch of B responses padded to T tokens."""
 
-    prev_logprobs: Tensor
-    """[B, T] float: logprobs under the weights before this step, recomputed by the trainer (nats)."""
+    prev_logprobs: Tensor | None
+    """[B, T] float: logprobs under the weights before this step, recomputed by the trainer (nats). None when
+    this is the batch's only optimizer step: those weights are the ones being trained, so prev = sg(lp)."""
     generation_logprobs: Tensor
     """[B, T] float: the same tokens' logprobs as reported by the rollout engine (nats)."""
     reference_logprobs: Tensor | None = None
@@ -113,7 +114,7 @@ def clipped_pg_loss(
     mask = token_mask * sample_mask[:, None]
     advantages = data.advantages if data.advantages.dim() == 2 else data.advantages[:, None]
     advantages = advantages.to(dtype).expand_as(curr_logprobs)
-    prev = curr_logprobs.detach() if cfg.force_on_policy_ratio else data.prev_logprobs
+    prev = curr_logprobs.detach() if cfg.force_on_policy_ratio or data.prev_logprobs is None else data.prev_logprobs
     generation = data.generation_logprobs
     totals = dict(global_valid_tokens=global_valid_tokens, global_valid_seqs=global_valid_seqs)
     reduce = dict(token_level=cfg.token_level_loss, **totals)

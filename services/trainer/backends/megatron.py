@@ -94,7 +94,7 @@ class MegatronBackend(TrainingBackend):
 
     # ---- training ------------------------------------------------------------------------------
 
-    def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of, forward_only: bool):
+    def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(iterator, model):
@@ -105,7 +105,7 @@ class MegatronBackend(TrainingBackend):
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
-            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)), forward_only=forward_only)
+            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)))
 
     def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -118,17 +118,11 @@ class MegatronBackend(TrainingBackend):
         dp = self.ps.get_data_parallel_world_size()
         mine = list(range(self.ps.get_data_parallel_rank(), len(b), dp))
         rows = [mine[i:i + mb] for i in range(0, len(mine), mb)]
-        prev = torch.zeros(b.targets.shape)
-
-        def keep_prev(mb_rows, logits):
-            prev[mb_rows] = self._logprobs(logits, b.targets[mb_rows]).detach().cpu()
-            return logits.sum() * 0, {}
-
-        self._run(b, rows, keep_prev, forward_only=True)  # the last stage fills prev
         mask = b.token_mask * b.sample_mask[:, None]
         totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
                       global_valid_seqs=max(1.0, b.sample_mask.sum().item()))
-        data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, advantages=advantages,
+        # One optimizer step per batch: prev = sg(lp) (loss.py), no forward to recompute it.
+        data = LossInputs(prev_logprobs=None, generation_logprobs=b.generation_logprobs, advantages=advantages,
                           token_mask=b.token_mask, sample_mask=b.sample_mask)
 
         def loss_of(mb_rows, logits):
@@ -140,7 +134,7 @@ class MegatronBackend(TrainingBackend):
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(b, rows, loss_of, forward_only=False)
+        reports = self._run(b, rows, loss_of)
         self.model.finish_grad_sync()
         ok, grad_norm, _ = self.optimizer.step()
         metrics = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
