@@ -7,25 +7,15 @@ import random
 
 import grpc
 import pytest
+from environment_service import serve_environment
 
+from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
-from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
-from services.common.server import ErrorInterceptor
-from services.common.bus import Bus
+from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, types_pb2
 from services.controller.main import resubmit
 from services.controller.registry import Registry
 from services.controller.state import StateStore
-from services.environment.server import EnvironmentServicer
-
-
-async def serve_environment(port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """An environment service with nothing registered, on `port` (a free one for 0)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, port
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import time
 
 import grpc
 import pytest
+from env_harness import start_example_server, step_request
+from environment_service import serve_environment
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -14,11 +16,7 @@ from prometheus_client import REGISTRY
 
 from services.common.errors import InvalidArgument
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
-from services.common.server import ErrorInterceptor
 from services.environment.remote import RemoteEnvironment
-from services.environment.server import EnvironmentServicer
-
-from env_harness import start_example_server, step_request
 
 
 @pytest.fixture
@@ -135,11 +133,7 @@ async def test_unreachable_address_is_invalid_argument():
 
 @pytest.fixture
 async def environment_service():
-    servicer = EnvironmentServicer()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_environment()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield environment_pb2_grpc.EnvironmentServiceStub(channel)
     await server.stop(0)

@@ -9,13 +9,12 @@ observation show which state the environment was handed.
 from __future__ import annotations
 
 import grpc
+from environment_service import serve_environment
 
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import environment_pb2_grpc, types_pb2
-from services.common.server import ErrorInterceptor
 from services.common.structs import to_struct
 from services.environment.base import make_environment
-from services.environment.server import EnvironmentServicer
 from services.rollout.engines.hf import HFEngine
 from services.rollout.episodes import EpisodeRunner
 
@@ -24,10 +23,7 @@ TURNS = 3
 
 async def test_each_turn_hands_the_environment_the_state_its_last_step_returned():
     cfg = load_config(None, ["policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=4"])
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await serve_environment()
     engine = HFEngine(cfg, "multi-turn")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -1,0 +1,18 @@
+"""The environment service in the test's own process: the real servicer and error mapping, on loopback."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.pb.flywheel.v1 import environment_pb2_grpc
+from services.common.server import ErrorInterceptor
+from services.environment.server import EnvironmentServicer
+
+
+async def serve_environment(port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """An environment service with nothing registered, on `port` (a free one for 0)."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
