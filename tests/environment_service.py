@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from services.common.pb.flywheel.v1 import environment_pb2_grpc
@@ -9,9 +11,10 @@ from services.common.server import ErrorInterceptor
 from services.environment.server import EnvironmentServicer
 
 
-async def serve_environment(port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """An environment service with nothing registered, on `port` (a free one for 0)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+async def serve_environment(port: int = 0, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                            ) -> tuple[grpc.aio.Server, int]:
+    """An environment service with nothing registered, on `port` (a free one for 0); `interceptors` run first."""
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()])
     environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentServicer(), server)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

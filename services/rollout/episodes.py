@@ -1,7 +1,7 @@
 """The multi-turn loop: sample G episodes of one prompt, step the environment each turn.
 
 Per turn, the active episodes are generated in one batch, then scored in one batched
-EnvironmentService.Step. The observation is appended as tokens with loss mask 0
+EnvironmentService.Step, which `StepBatcher` shares with the other groups that score at the same moment. The observation is appended as tokens with loss mask 0
 (tokenized raw, as NeMo RL does) unless the episode ended. Each episode records the
 versions that produced its first and last generated token, as the engine reports them per token (they
 differ only when weights were swapped in flight). Each engine call is a `rollout.generate`
@@ -10,15 +10,18 @@ span of the group's trace (time to first token, tokens, version, worker); docs/o
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
 from google.protobuf import struct_pb2
 from opentelemetry import trace
 from prometheus_client import Histogram
 
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.common.server import RETRIED
 from services.rollout.engines import Engine, Generated, Sampling
 
 tracer = trace.get_tracer("flywheel.rollout")
@@ -62,10 +65,9 @@ class EpisodeRunner:
     def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
                  default_sampling, max_seq_len: int, env_timeout_s: float = 60.0) -> None:
         self.engine = engine
-        self.env = env
+        self.steps = StepBatcher(env, env_timeout_s)
         self.default_sampling = default_sampling
         self.max_seq_len = max_seq_len
-        self.env_timeout_s = env_timeout_s
 
     async def run(self, group: types_pb2.PromptGroup, worker_id: str,
                   generated: Callable[[], Awaitable[None]] | None = None) -> types_pb2.TrajectoryGroup:
@@ -139,12 +141,11 @@ class EpisodeRunner:
                 e.turns += 1
 
     async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int) -> None:
-        request = environment_pb2.StepRequest(env_name=group.env_name, episodes=[
+        results = await self.steps.step(group.env_name, [
             environment_pb2.Episode(messages=[types_pb2.ChatMessage(**m) for m in e.messages],
                                     metadata=e.metadata) for e in active])
-        response = await self.env.Step(request, timeout=self.env_timeout_s, wait_for_ready=True)
         tok = self.engine.tokenizer
-        for e, r in zip(active, response.results, strict=True):
+        for e, r in zip(active, results, strict=True):
             e.reward += r.reward
             for k, v in r.named_rewards.items():
                 e.named_rewards[k] = e.named_rewards.get(k, 0.0) + v
@@ -164,6 +165,99 @@ class EpisodeRunner:
                 e.stop_strings = list(r.next_stop_strings)
             if r.HasField("metadata"):
                 e.metadata = r.metadata
+
+
+class StepBatcher:
+    """One Step rpc for the groups that score together.
+
+    The groups of one engine batch come out of the engine at once and each then scores its episodes. The calls
+    made in the same turn of the event loop for the same environment go as one StepRequest, and each caller gets
+    its own episodes' results: one round trip and one dispatch in the environment service instead of one per group
+    (on loopback, 4 calls of 16 toy episodes at once took 1.7 ms, one call of 64 took 1.0 ms). Nothing waits to fill
+    a batch: a call alone goes alone. When a merged call is refused for its content (a code that no retry helps),
+    each caller's episodes are sent again on their own, so one group's bad episode fails only that group.
+
+    Each call is a `rollout.step` span of its group's trace. The rpc goes from the first caller's span, so the
+    environment's own span is in that group's trace; the `rollout.step` spans of one merged call link to each other.
+    """
+
+    def __init__(self, env: environment_pb2_grpc.EnvironmentServiceStub, timeout_s: float) -> None:
+        self.env = env
+        self.timeout_s = timeout_s
+        self._calls: dict[str, list[_Call]] = {}
+        self._sending: set[asyncio.Task] = set()
+
+    async def step(self, env_name: str, episodes: list[environment_pb2.Episode]) -> list[environment_pb2.EpisodeResult]:
+        with tracer.start_as_current_span("rollout.step", attributes={
+                "flywheel.env": env_name, "flywheel.episodes": len(episodes)}) as span:
+            call = _Call(episodes, asyncio.get_running_loop().create_future(), span)
+            calls = self._calls.get(env_name)
+            if calls is None:  # the first call of this turn: the send runs once the turn's other calls have joined
+                calls = self._calls[env_name] = []
+                asyncio.get_running_loop().call_soon(self._send_soon, env_name)  # in this span's context
+            calls.append(call)
+            return await call.future
+
+    def _send_soon(self, env_name: str) -> None:
+        task = asyncio.create_task(self._send(env_name, self._calls.pop(env_name)))
+        self._sending.add(task)  # held until done: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, env_name: str, calls: list[_Call]) -> None:
+        first = calls[0]
+        first.span.set_attribute("flywheel.groups", len(calls))
+        for call in calls[1:]:
+            first.span.add_link(call.span.get_span_context())
+            call.span.add_link(first.span.get_span_context())
+        if len(calls) == 1:
+            await self._send_alone(env_name, first)
+            return
+        try:
+            results = await self._call(env_name, [e for call in calls for e in call.episodes])
+        except grpc.aio.AioRpcError as err:
+            if err.code() in RETRIED:
+                _fail(calls, err)
+            else:  # refused for its content, perhaps one group's: each group on its own finds out which
+                await asyncio.gather(*(self._send_alone(env_name, call) for call in calls))
+            return
+        except Exception as err:  # noqa: BLE001 - every caller of the merged call gets it
+            _fail(calls, err)
+            return
+        start = 0
+        for call in calls:
+            if not call.future.done():  # a caller that stopped waiting (cancelled) loses nothing by this
+                call.future.set_result(results[start:start + len(call.episodes)])
+            start += len(call.episodes)
+
+    async def _send_alone(self, env_name: str, call: _Call) -> None:
+        try:
+            results = await self._call(env_name, call.episodes)
+        except Exception as err:  # noqa: BLE001 - the caller gets it
+            _fail([call], err)
+            return
+        if not call.future.done():
+            call.future.set_result(results)
+
+    async def _call(self, env_name: str, episodes: list[environment_pb2.Episode]) -> list[environment_pb2.EpisodeResult]:
+        request = environment_pb2.StepRequest(env_name=env_name, episodes=episodes)
+        response = await self.env.Step(request, timeout=self.timeout_s, wait_for_ready=True)
+        if len(response.results) != len(episodes):
+            raise ValueError(f"environment {env_name!r} returned {len(response.results)} results for "
+                             f"{len(episodes)} episodes")
+        return list(response.results)
+
+
+@dataclass(slots=True)
+class _Call:
+    episodes: list[environment_pb2.Episode]
+    future: asyncio.Future
+    span: trace.Span
+
+
+def _fail(calls: list[_Call], err: BaseException) -> None:
+    for call in calls:
+        if not call.future.done():
+            call.future.set_exception(err)
 
 
 def _record_generation(span: trace.Span, outs: list[Generated], version_end: int) -> None:

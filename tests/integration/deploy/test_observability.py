@@ -2,7 +2,8 @@
 traces exported over OTLP to a receiver in the test, /metrics scraped from every service while it trains.
 
 - one connected trace per prompt group: controller lease -> rollout group -> generate (ttft, tokens,
-  version, worker) / environment step / replay ingest, and the trainer step that consumed it linked;
+  version, worker) / environment step (one rpc for the groups that score together, linked) / replay ingest,
+  and the trainer step that consumed it linked;
 - every metric the Grafana dashboard (deploy/compose/grafana/dashboards/flywheel.json) queries exists.
 """
 
@@ -96,7 +97,13 @@ def test_each_consumed_prompt_group_is_one_connected_trace_across_the_services(o
         children = [s for s in trace if s.parent_id == group.span_id]
         services = {s.name: s.service for s in children}
         assert services.get("rollout.generate") == "flywheel-rollout"
-        assert services.get("environment.step") == "flywheel-environment"  # over gRPC metadata
+        # The group's Step: its own rollout.step span, and the environment's span under it, or, when groups
+        # scored together in one rpc, under the first group's rollout.step, to which this one links.
+        step_call = names["rollout.step"]
+        assert step_call.parent_id == group.span_id and step_call.service == "flywheel-rollout"
+        sent_from = {step_call.span_id} | {span_id for _, span_id in step_call.links}
+        assert any(s.name == "environment.step" and s.service == "flywheel-environment"  # over gRPC metadata
+                   and s.parent_id in sent_from for s in spans)
         assert services.get("replay.ingest") == "flywheel-replay"  # over NATS headers
         for generate in (s for s in children if s.name == "rollout.generate"):
             a = generate.attributes

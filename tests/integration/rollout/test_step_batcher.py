@@ -1,0 +1,88 @@
+"""The rollout's StepBatcher against a real environment service on loopback: groups that score in the same
+turn of the event loop share one Step rpc, each gets its own episodes' results, and a group the service
+refuses fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+from environment_service import serve_environment
+
+from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.common.structs import to_struct
+from services.rollout.episodes import StepBatcher
+
+
+class CountSteps(grpc.aio.ServerInterceptor):
+    """Counts the Step calls; with `busy` set, answers them UNAVAILABLE, as a service that sheds load."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.busy = False
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.endswith("/Step"):
+            return await continuation(details)
+        self.calls += 1
+        if self.busy:
+            async def refuse(request, context):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        return await continuation(details)
+
+
+def _episodes(ground_truth, *answers: str) -> list[environment_pb2.Episode]:
+    """toy_copy episodes: reward 1 where the answer starts with the ground truth."""
+    return [environment_pb2.Episode(
+        messages=[types_pb2.ChatMessage(role="user", content=f"copy {ground_truth}"),
+                  types_pb2.ChatMessage(role="assistant", content=answer)],
+        metadata=to_struct({"ground_truth": ground_truth})) for answer in answers]
+
+
+async def _batcher_and_counter():
+    counter = CountSteps()
+    server, port = await serve_environment(interceptors=[counter])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
+    await stub.Register(environment_pb2.RegisterRequest(name="toy", kind="toy_copy"))
+    return StepBatcher(stub, timeout_s=30), counter, server, channel
+
+
+async def test_groups_that_score_together_share_one_step_and_each_gets_its_own_results():
+    batcher, counter, server, channel = await _batcher_and_counter()
+    try:
+        a, b = await asyncio.gather(batcher.step("toy", _episodes("1", "1", "2")),
+                                    batcher.step("toy", _episodes("3", "3", "3", "0")))
+        assert counter.calls == 1
+        assert [r.reward for r in a] == [1.0, 0.0]
+        assert [r.reward for r in b] == [1.0, 1.0, 0.0]
+        await batcher.step("toy", _episodes("4", "4"))  # a call alone goes alone, at once
+        await batcher.step("toy", _episodes("4", "0"))
+        assert counter.calls == 3
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_group_the_service_refuses_fails_alone():
+    batcher, counter, server, channel = await _batcher_and_counter()
+    bad = _episodes("1", "1")
+    bad[0].metadata.update({"weight": math.nan})  # a Struct number JSON cannot hold: INVALID_ARGUMENT
+    try:
+        a, refused, b = await asyncio.gather(batcher.step("toy", _episodes("1", "1", "2")), batcher.step("toy", bad),
+                                             batcher.step("toy", _episodes("3", "0")), return_exceptions=True)
+        assert counter.calls == 1 + 3  # the merged call, then each group on its own
+        assert [r.reward for r in a] == [1.0, 0.0]
+        assert [r.reward for r in b] == [0.0]
+        assert isinstance(refused, grpc.aio.AioRpcError)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        counter.busy, counter.calls = True, 0  # a refusal that a later try may not meet: every group gets it,
+        busy = await asyncio.gather(batcher.step("toy", _episodes("1", "1")),  # and no group is tried again now
+                                    batcher.step("toy", _episodes("2", "2")), return_exceptions=True)
+        assert counter.calls == 1
+        assert [e.code() for e in busy] == [grpc.StatusCode.UNAVAILABLE] * 2
+    finally:
+        await channel.close()
+        await server.stop(0)
