@@ -13,7 +13,8 @@ Each round measures both sides back to back, since on a shared machine the load 
 The ratios printed last are the medians of the rounds' ratios. Two more measurements say where the
 rest goes: the CPU per ingested group of each process on either side (from /proc, so Linux only),
 and, in the same turns as the Samples, a bare gRPC server in its own process that only returns the
-same reply bytes: a Sample is a Redis read plus such a reply, so its rate bounds the service's.
+same reply bytes: a Sample is a Redis read followed by such a reply, so the service's rate is at most
+bare / (raw + bare) of raw's.
 Neither side parses what it delivers: raw hands the caller the payload bytes, the service client
 the SampleResponse bytes that carry the same payloads (parsing them costs the caller the same on
 either side; the time for one batch is printed for context). The responses are parsed and checked
@@ -254,6 +255,10 @@ def main() -> None:
           f"{by_cores:.0f} groups/s: at most {min(by_thread, by_cores) / med['raw_in']:.2f} of raw's median")
     print(f"sample over bare gRPC (a server that only returns the same reply bytes, no Redis), in the same turns: "
           f"{med['bare_out']:.0f} batches/s, {statistics.median(x['bare_out'] / x['raw_out'] for x in rounds):.2f} of raw")
+    # A unary Sample reads the batch from Redis (raw's work) and only then replies (bare gRPC's work): its time is at
+    # least the sum of the two, so its rate is at most bare / (raw + bare) of raw's.
+    serial = statistics.median(x["bare_out"] / (x["raw_out"] + x["bare_out"]) for x in rounds)
+    print(f"sample bound from those two: a Redis read, then the reply: at most {serial:.2f} of raw")
     print(f"for context: JetStream publish {med['published']:.0f} groups/s; parsing one Sample reply "
           f"({args.per_step} groups) {med['parse_ms']:.1f} ms, which either side's caller would pay")
 
