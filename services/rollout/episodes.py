@@ -1,16 +1,18 @@
 """The multi-turn loop: sample G episodes of one prompt, step the environment each turn.
 
 Per turn, the active episodes are generated in one batch, then scored in one batched
-EnvironmentService.Step, which `StepBatcher` shares with the other groups that score at the same moment. The observation is appended as tokens with loss mask 0
-(tokenized raw, as NeMo RL does) unless the episode ended. Each episode records the
-versions that produced its first and last generated token, as the engine reports them per token (they
-differ only when weights were swapped in flight). Each engine call is a `rollout.generate`
-span of the group's trace (time to first token, tokens, version, worker); docs/observability.md.
+EnvironmentService.Step, shared with the groups that score at the same moment (`StepBatcher`).
+The observation is appended as tokens with loss mask 0 (tokenized raw, as NeMo RL does) unless
+the episode ended. Each episode records the versions that produced its first and last generated token,
+as the engine reports them per token (they differ only when weights were swapped in flight). Each
+engine call is a `rollout.generate` span of the group's trace (time to first token, tokens, version,
+worker); docs/observability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -167,41 +169,51 @@ class EpisodeRunner:
                 e.metadata = r.metadata
 
 
+MERGED_REQUEST_BYTES = 8 << 20
+"""A merged StepRequest stays under it (a group's own call may be larger): merging saves a round trip per
+call, which counts for small calls, and large ones stay far below the servers' `security.max_message_mb`."""
+
+
 class StepBatcher:
     """One Step rpc for the groups that score together.
 
     The groups of one engine batch come out of the engine at once and each then scores its episodes. The calls
-    made in the same turn of the event loop for the same environment go as one StepRequest, and each caller gets
-    its own episodes' results: one round trip and one dispatch in the environment service instead of one per group
-    (on loopback, 4 calls of 16 toy episodes at once took 1.7 ms, one call of 64 took 1.0 ms). Nothing waits to fill
-    a batch: a call alone goes alone. When a merged call is refused for its content (a code that no retry helps),
-    each caller's episodes are sent again on their own, so one group's bad episode fails only that group.
+    made in the same turn of the event loop for the same environment go as one StepRequest (up to
+    `max_request_bytes`), and each caller gets its own episodes' results: one round trip and one dispatch in the
+    environment service instead of one per group (on loopback, 4 calls of 16 toy episodes at once took 1.7 ms,
+    one call of 64 took 1.0 ms). Nothing waits to fill a batch: a call alone goes alone. When a merged call is
+    refused for its content (a code that no retry helps), each caller's episodes are sent again on their own,
+    so one group's bad episode fails only that group.
 
-    Each call is a `rollout.step` span of its group's trace. The rpc goes from the first caller's span, so the
-    environment's own span is in that group's trace; the `rollout.step` spans of one merged call link to each other.
+    Each call is a `rollout.step` span of its group's trace. A merged rpc goes from its first caller's span, so
+    the environment's own span is in that group's trace; the `rollout.step` spans of one rpc link to each other.
     """
 
-    def __init__(self, env: environment_pb2_grpc.EnvironmentServiceStub, timeout_s: float) -> None:
+    def __init__(self, env: environment_pb2_grpc.EnvironmentServiceStub, timeout_s: float, *,
+                 max_request_bytes: int = MERGED_REQUEST_BYTES) -> None:
         self.env = env
         self.timeout_s = timeout_s
+        self.max_request_bytes = max_request_bytes
         self._calls: dict[str, list[_Call]] = {}
         self._sending: set[asyncio.Task] = set()
 
     async def step(self, env_name: str, episodes: list[environment_pb2.Episode]) -> list[environment_pb2.EpisodeResult]:
         with tracer.start_as_current_span("rollout.step", attributes={
                 "flywheel.env": env_name, "flywheel.episodes": len(episodes)}) as span:
-            call = _Call(episodes, asyncio.get_running_loop().create_future(), span)
+            call = _Call(episodes, sum(e.ByteSize() for e in episodes), asyncio.get_running_loop().create_future(),
+                         span, contextvars.copy_context())
             calls = self._calls.get(env_name)
             if calls is None:  # the first call of this turn: the send runs once the turn's other calls have joined
                 calls = self._calls[env_name] = []
-                asyncio.get_running_loop().call_soon(self._send_soon, env_name)  # in this span's context
+                asyncio.get_running_loop().call_soon(self._send_soon, env_name)
             calls.append(call)
             return await call.future
 
     def _send_soon(self, env_name: str) -> None:
-        task = asyncio.create_task(self._send(env_name, self._calls.pop(env_name)))
-        self._sending.add(task)  # held until done: the loop keeps only a weak reference to a task
-        task.add_done_callback(self._sending.discard)
+        for calls in _fill(self._calls.pop(env_name), self.max_request_bytes):
+            task = asyncio.create_task(self._send(env_name, calls), context=calls[0].context)  # its span's child
+            self._sending.add(task)  # held until done: the loop keeps only a weak reference to a task
+            task.add_done_callback(self._sending.discard)
 
     async def _send(self, env_name: str, calls: list[_Call]) -> None:
         first = calls[0]
@@ -250,8 +262,24 @@ class StepBatcher:
 @dataclass(slots=True)
 class _Call:
     episodes: list[environment_pb2.Episode]
+    nbytes: int
     future: asyncio.Future
     span: trace.Span
+    context: contextvars.Context
+    """The caller's, inside its span: the rpc that this call starts is sent in it."""
+
+
+def _fill(calls: list[_Call], max_bytes: int) -> list[list[_Call]]:
+    """The calls in order, cut into requests of at most `max_bytes` (a call larger than that alone)."""
+    requests: list[list[_Call]] = []
+    size = 0
+    for call in calls:
+        if not requests or size + call.nbytes > max_bytes:
+            requests.append([])
+            size = 0
+        requests[-1].append(call)
+        size += call.nbytes
+    return requests
 
 
 def _fail(calls: list[_Call], err: BaseException) -> None:

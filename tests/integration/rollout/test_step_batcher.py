@@ -41,13 +41,13 @@ def _episodes(ground_truth, *answers: str) -> list[environment_pb2.Episode]:
         metadata=to_struct({"ground_truth": ground_truth})) for answer in answers]
 
 
-async def _batcher_and_counter():
+async def _batcher_and_counter(**kwargs):
     counter = CountSteps()
     server, port = await serve_environment(interceptors=[counter])
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
     await stub.Register(environment_pb2.RegisterRequest(name="toy", kind="toy_copy"))
-    return StepBatcher(stub, timeout_s=30), counter, server, channel
+    return StepBatcher(stub, timeout_s=30, **kwargs), counter, server, channel
 
 
 async def test_groups_that_score_together_share_one_step_and_each_gets_its_own_results():
@@ -61,6 +61,19 @@ async def test_groups_that_score_together_share_one_step_and_each_gets_its_own_r
         await batcher.step("toy", _episodes("4", "4"))  # a call alone goes alone, at once
         await batcher.step("toy", _episodes("4", "0"))
         assert counter.calls == 3
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_merged_request_stays_under_its_byte_limit():
+    groups = [_episodes("1", "1", "2"), _episodes("3", "3"), _episodes("0", "0", "0")]
+    two = sum(e.ByteSize() for e in groups[0] + groups[1])
+    batcher, counter, server, channel = await _batcher_and_counter(max_request_bytes=two)
+    try:
+        results = await asyncio.gather(*(batcher.step("toy", episodes) for episodes in groups))
+        assert counter.calls == 2  # the first two groups together, the third alone
+        assert [[r.reward for r in group] for group in results] == [[1.0, 0.0], [1.0], [1.0, 1.0]]
     finally:
         await channel.close()
         await server.stop(0)
