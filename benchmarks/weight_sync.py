@@ -1,7 +1,8 @@
 """Weight-channel throughput against its ceilings, with receivers in separate processes.
 
 For each backend, payload size, receiver count and layout of the state dict it prints:
-  channel   WeightSender.sync end to end (handshake, transfer, checksums, acks), GB/s per receiver
+  channel   WeightSender.sync end to end (handshake, transfer, checksums, acks), GB/s per receiver; a line
+            below gives the best sync's phases (announce, join, send, confirm: the sender's ms in each)
   raw       one flat tensor of the same size moved by the same transport with no channel logic (gloo: one
             broadcast on a bare, already connected ProcessGroupGloo after an untimed first one, as the
             channel reuses its group, timed until a one-float allreduce says every receiver has it; nixl:
@@ -215,11 +216,12 @@ class Bench:
         self.k += 1
         self.sender.store.set(f"bench/cmd/{self.k}", json.dumps({"op": op, **kw}))
 
-    def channel(self, state, version: int, layout: str) -> float:
+    def channel(self, state, version: int, layout: str) -> tuple[float, dict[str, float]]:
+        """GB/s of one sync, and its phases (the sender's seconds in each)."""
         self.command("sync", layout=layout)
         r = self.sender.sync(version, self.members, state, timeout_s=300)
         assert r.members_ok == self.members, r
-        return r.gbps
+        return r.gbps, r.phases
 
     def raw(self, flat) -> float:
         from torch.distributed import PrefixStore
@@ -304,13 +306,14 @@ def run(a: argparse.Namespace) -> None:
             for n in a.receivers:
                 bench = Bench(backend, nbytes, n, a.bucket_mb << 20, (a.whole_kb << 10) or None, a.layouts)
                 try:
-                    chan, version = {}, 0
+                    chan, phases, version = {}, {}, 0
                     for layout, state in states.items():
                         # The first sync of each layout is a warm-up: first epoch, page faults in new buffers.
                         for v in range(a.repeat + 1):
                             version += 1
-                            gbps = bench.channel(state, version, layout)
-                            chan[layout] = max(chan.get(layout, 0.0), gbps) if v else 0.0
+                            gbps, took = bench.channel(state, version, layout)
+                            if v and gbps > chan.get(layout, 0.0):
+                                chan[layout], phases[layout] = gbps, took
                     bench.raw(flat)
                     raw = max(bench.raw(flat) for _ in range(a.repeat))
                     split = {layout: bench.split(flat, bench.pieces(state), a.repeat)
@@ -323,6 +326,8 @@ def run(a: argparse.Namespace) -> None:
                     print(f"{backend:<8} {mb:>4}MB {n:>4} {layout:<12} {len(states[layout]):>7} {gbps:>13.2f} "
                           f"{raw:>9.2f} {cut} {mem:>12.2f} {gbps / raw:>9.2f} {cut_ratio} {gbps / mem:>12.2f}",
                           flush=True)
+                    print("         that sync's phases, ms: " + ", ".join(
+                        f"{phase} {seconds * 1e3:.1f}" for phase, seconds in phases[layout].items()), flush=True)
 
 
 def main() -> None:
