@@ -9,6 +9,7 @@ sandbox had to stop or refuse (timeout, memory, network, ...) sets `error`. See 
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,16 +23,17 @@ CODE_TAG = re.compile(r"<code>(.*?)</code>", re.DOTALL)
 class CodeEnvironment(Environment):
     kind = "code"
 
-    def __init__(self, limits: SandboxLimits | None = None, max_parallel: int = 4) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, max_parallel: int | None = None) -> None:
         self.limits = limits or SandboxLimits()
-        self.max_parallel = max_parallel
-        """Sandboxes run at once per step call."""
+        self.max_parallel = max_parallel or os.cpu_count() or 1
+        """Sandboxes run at once by this environment, whatever the calls: rollout sends the episodes of the
+        groups that score together in one Step, so a bound per call would shrink as calls merge."""
+        self._pool = ThreadPoolExecutor(max_workers=self.max_parallel, thread_name_prefix="code-sandbox")
 
     def step(self, conversations, metadata, *, return_extracted_answer=False):
         if len(conversations) != len(metadata):
             raise ValueError(f"{len(conversations)} conversations but {len(metadata)} metadata entries")
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_parallel, len(conversations)))) as pool:
-            results = list(pool.map(self._one, conversations, metadata))
+        results = list(self._pool.map(self._one, conversations, metadata))
         if not return_extracted_answer:
             for result in results:
                 result.answer = None
@@ -43,7 +45,7 @@ class CodeEnvironment(Environment):
             if program is None:
                 return StepResult.failed("no code block", observation="Environment: no code block found")
             outcome = run_python(program, _tests(meta), self.limits)
-        except Exception as exc:  # on purpose: one bad episode never fails the batch
+        except Exception as exc:  # noqa: BLE001 - on purpose: one bad episode never fails the batch
             return StepResult.failed(f"{type(exc).__name__}: {exc}")
         return StepResult(
             observation=_observation(outcome),
