@@ -426,7 +426,9 @@ class RolloutConfig(Section):
     max_groups_in_flight: int = Field(4, gt=0)
     """Prompt groups one worker generates at once; it pulls no more work until one has been generated
     (back-pressure: the rest stay in the work queue for other workers). As many more may be scored and
-    published meanwhile, so a worker holds at most twice this many. The engine batches their requests."""
+    published meanwhile, so a worker holds at most twice this many. The engine batches their requests, so on a
+    GPU this bounds vLLM's batch (G sequences per group): there, set it near num_prompts_per_step / workers, as
+    NeMo RL generates a whole step at once (docs/vllm.md)."""
 
 
 class ControllerConfig(Section):
