@@ -5,6 +5,7 @@ refuses fails alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import grpc
@@ -41,18 +42,22 @@ def _episodes(ground_truth, *answers: str) -> list[environment_pb2.Episode]:
         metadata=to_struct({"ground_truth": ground_truth})) for answer in answers]
 
 
-async def _batcher_and_counter(**kwargs):
+@contextlib.asynccontextmanager
+async def _batcher(**kwargs):
+    """A StepBatcher over a real environment service with toy_copy registered as "toy", and its Step counter."""
     counter = CountSteps()
     server, port = await serve_environment(interceptors=[counter])
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
-    await stub.Register(environment_pb2.RegisterRequest(name="toy", kind="toy_copy"))
-    return StepBatcher(stub, timeout_s=30, **kwargs), counter, server, channel
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
+            await stub.Register(environment_pb2.RegisterRequest(name="toy", kind="toy_copy"))
+            yield StepBatcher(stub, timeout_s=30, **kwargs), counter
+    finally:
+        await server.stop(0)
 
 
 async def test_groups_that_score_together_share_one_step_and_each_gets_its_own_results():
-    batcher, counter, server, channel = await _batcher_and_counter()
-    try:
+    async with _batcher() as (batcher, counter):
         a, b = await asyncio.gather(batcher.step("toy", _episodes("1", "1", "2")),
                                     batcher.step("toy", _episodes("3", "3", "3", "0")))
         assert counter.calls == 1
@@ -61,29 +66,21 @@ async def test_groups_that_score_together_share_one_step_and_each_gets_its_own_r
         await batcher.step("toy", _episodes("4", "4"))  # a call alone goes alone, at once
         await batcher.step("toy", _episodes("4", "0"))
         assert counter.calls == 3
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 async def test_a_merged_request_stays_under_its_byte_limit():
     groups = [_episodes("1", "1", "2"), _episodes("3", "3"), _episodes("0", "0", "0")]
     two = sum(e.ByteSize() for e in groups[0] + groups[1])
-    batcher, counter, server, channel = await _batcher_and_counter(max_request_bytes=two)
-    try:
+    async with _batcher(max_request_bytes=two) as (batcher, counter):
         results = await asyncio.gather(*(batcher.step("toy", episodes) for episodes in groups))
         assert counter.calls == 2  # the first two groups together, the third alone
         assert [[r.reward for r in group] for group in results] == [[1.0, 0.0], [1.0], [1.0, 1.0]]
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 async def test_a_group_the_service_refuses_fails_alone():
-    batcher, counter, server, channel = await _batcher_and_counter()
     bad = _episodes("1", "1")
     bad[0].metadata.update({"weight": math.nan})  # a Struct number JSON cannot hold: INVALID_ARGUMENT
-    try:
+    async with _batcher() as (batcher, counter):
         a, refused, b = await asyncio.gather(batcher.step("toy", _episodes("1", "1", "2")), batcher.step("toy", bad),
                                              batcher.step("toy", _episodes("3", "0")), return_exceptions=True)
         assert counter.calls == 1 + 3  # the merged call, then each group on its own
@@ -96,6 +93,3 @@ async def test_a_group_the_service_refuses_fails_alone():
                                     batcher.step("toy", _episodes("2", "2")), return_exceptions=True)
         assert counter.calls == 1
         assert [e.code() for e in busy] == [grpc.StatusCode.UNAVAILABLE] * 2
-    finally:
-        await channel.close()
-        await server.stop(0)
