@@ -3,9 +3,10 @@
     python benchmarks/rollout.py [--groups 192] [--max-new-tokens 32] [--backends hf vllm] [--repeats 2]
 
 Both sides use the same config, engine, weights (version 0, delivered over gloo as the trainer does),
-toy_copy prompts, G, sampling, torch threads and `rollout.max_groups_in_flight` groups at a time:
+toy_copy prompts, G, sampling, torch threads and `cfg.groups_in_flight` groups at a time (by default a step's
+prompts; rollout.max_groups_in_flight=N sets it):
 - direct: this process builds the engine (`make_engine`) and awaits `engine.generate([prompt] * G)` for the
-  groups, at most max_groups_in_flight at once;
+  groups, at most groups_in_flight at once;
 - service: NATS, the environment service and the rollout service run as processes (LocalStack's). This
   process plays the trainer (the version-0 sync, announced on NATS), the controller (the groups published
   on the work queue once the worker reports WeightLoaded, as the controller leases only then) and replay
@@ -82,7 +83,7 @@ async def direct(cfg: FlywheelConfig, rows: list[dict]) -> tuple[int, float, dic
     await engine.load_weights(announced[-1].fields(), timeout_s=120)
     sync.join()
     sampling = Sampling.resolve(cfg.policy.generation)
-    slots, g = asyncio.Semaphore(cfg.rollout.max_groups_in_flight), cfg.grpo.num_generations_per_prompt
+    slots, g = asyncio.Semaphore(cfg.groups_in_flight), cfg.grpo.num_generations_per_prompt
 
     async def group(row) -> int:
         async with slots:

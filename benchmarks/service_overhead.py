@@ -102,8 +102,8 @@ def in_process(cfg) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         rows = env.prompts(g.num_prompts_per_step, cfg.run.seed, step * g.num_prompts_per_step)
 
-        async def rollout(rows, step=step):  # as a rollout worker: max_groups_in_flight groups at once
-            slots = asyncio.Semaphore(cfg.rollout.max_groups_in_flight)
+        async def rollout(rows, step=step):  # as a rollout worker: groups_in_flight groups at once
+            slots = asyncio.Semaphore(cfg.groups_in_flight)
 
             async def one(i, row):
                 async with slots:

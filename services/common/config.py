@@ -422,13 +422,15 @@ class ReplayConfig(Section):
 
 class RolloutConfig(Section):
     num_workers: int = Field(1, gt=0)
-    """Rollout processes the local launcher starts."""
-    max_groups_in_flight: int = Field(4, gt=0)
+    """Rollout workers of the run. `flywheel up` starts this many, and deploy/slurm sets it to the rollout
+    tasks' count; with compose's `--scale rollout=N`, set it to N. It sizes the default of max_groups_in_flight."""
+    max_groups_in_flight: int | None = Field(None, gt=0)
     """Prompt groups one worker generates at once; it pulls no more work until one has been generated
     (back-pressure: the rest stay in the work queue for other workers). As many more may be scored and
-    published meanwhile, so a worker holds at most twice this many. The engine batches their requests, so on a
-    GPU this bounds vLLM's batch (G sequences per group): there, set it near num_prompts_per_step / workers, as
-    NeMo RL generates a whole step at once (docs/vllm.md)."""
+    published meanwhile, so a worker holds at most twice this many. The engine batches their requests (vLLM's
+    batch is G sequences per group, up to vllm_cfg.max_num_seqs). Null (the default): a step's prompts shared
+    over the workers, ceil(grpo.num_prompts_per_step / num_workers), so a step is generated at once, as in
+    NeMo RL (`FlywheelConfig.groups_in_flight`)."""
 
 
 class ControllerConfig(Section):
@@ -541,6 +543,14 @@ class FlywheelConfig(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Prompt groups one rollout worker generates at once: rollout.max_groups_in_flight, or by default
+        its share of a step. A smaller fixed number would cap the engine's batch below what the step offers."""
+        if self.rollout.max_groups_in_flight is not None:
+            return self.rollout.max_groups_in_flight
+        return -(-self.grpo.num_prompts_per_step // self.rollout.num_workers)
 
     @model_validator(mode="after")
     def _something_to_train_on(self) -> FlywheelConfig:

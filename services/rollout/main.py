@@ -3,15 +3,15 @@
     NATS work queue ──PromptGroup──▶ EpisodeRunner (engine + environment Step) ──TrajectoryGroup──▶ NATS stream
     NATS announce ──WeightAnnouncement──▶ WeightReceiver (gloo/nccl/nixl/fs) ──WeightLoaded──▶ NATS
 
-A worker generates up to `rollout.max_groups_in_flight` groups at once and pulls no more until one
-has been generated: the rest stay in the work queue for other workers (back-pressure), and a fleet of
-workers, each with its own engine, can join or leave while the run goes on. A generated group is scored
-and published while the engine works on the next ones; at most max_groups_in_flight groups are scored
-and published at once (a group waits for that, its generation slot held), so a worker holds at most
-twice max_groups_in_flight groups. The groups pulled for the slots that are free together are pulled in
-one fetch and start together, so the engine batches them. A group is acked only after its
-TrajectoryGroup is stored by JetStream, so a killed worker's groups are redelivered (after ack_wait)
-to another worker; a stopping worker hands its unfinished groups back at once (nak). A worker whose
+A worker generates up to `cfg.groups_in_flight` groups at once (rollout.max_groups_in_flight; by default
+its share of a step) and pulls no more until one has been generated: the rest stay in the work queue for
+other workers (back-pressure), and a fleet of workers, each with its own engine, can join or leave while
+the run goes on. A generated group is scored and published while the engine works on the next ones; at
+most as many groups are scored and published at once (a group waits for that, its generation slot held), so
+a worker holds at most twice groups_in_flight groups. The groups pulled for the slots that are free
+together are pulled in one fetch and start together, so the engine batches them. A group is acked only
+after its TrajectoryGroup is stored by JetStream, so a killed worker's groups are redelivered (after
+ack_wait) to another worker; a stopping worker hands its unfinished groups back at once (nak). A worker whose
 loaded version is too old for a group's target step (target - version > max_staleness) hands it back
 instead of producing a group that replay would have to drop.
 
@@ -226,7 +226,8 @@ class RolloutWorker:
         s = self.bus.subjects
         sub = await self.bus.js.pull_subscribe(s.work, durable="rollout", stream=s.stream("work"),
                                                config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_deliver=-1))
-        slots = Slots(self.cfg.rollout.max_groups_in_flight)
+        slots = Slots(self.cfg.groups_in_flight)
+        log.info("generating up to %d groups at once", self.cfg.groups_in_flight)
         groups: set[asyncio.Task] = set()
         try:
             while not stop.is_set():

@@ -71,6 +71,13 @@ def test_a_config_with_no_data_and_no_environment_is_refused_not_run_on_the_toy_
         FlywheelConfig()
 
 
+def test_a_worker_generates_its_share_of_a_step_at_once_unless_told_otherwise():
+    cfg = load_config(None, ["grpo.num_prompts_per_step=32"])
+    assert cfg.rollout.max_groups_in_flight is None and cfg.groups_in_flight == 32
+    assert load_config(None, ["grpo.num_prompts_per_step=32", "rollout.num_workers=3"]).groups_in_flight == 11
+    assert load_config(None, ["rollout.max_groups_in_flight=4"]).groups_in_flight == 4
+
+
 def test_async_disabled_is_synchronous_whatever_the_age():
     cfg = load_config(None, ["grpo.async_grpo.enabled=false", "grpo.async_grpo.max_trajectory_age_steps=4"])
     assert cfg.grpo.max_staleness == 0

@@ -173,12 +173,12 @@ def test_a_bad_override_stops_the_launch_before_anything_starts(tmp_path):
     assert not (tmp_path / "run" / "launch_plan.txt").exists()
 
 
-def test_rollout_task_offsets_ports_by_local_id(tmp_path):
+def test_rollout_task_offsets_ports_by_local_id_and_shares_a_step_over_the_tasks(tmp_path):
     fake = tmp_path / "flywheel"
     fake.write_text('#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n')
     fake.chmod(0o755)
     env = {**os.environ, "FLYWHEEL_BIN": str(fake), "FLYWHEEL_RESOLVED_CONFIG": "/shared/run/config.yaml",
-           "SLURM_LOCALID": "3"}
+           "SLURM_LOCALID": "3", "SLURM_NTASKS": "6"}
     argv = json.loads(subprocess.run(["bash", str(ROLLOUT_TASK)], env=env, capture_output=True, text=True,
                                      check=True).stdout)
     args = build_parser().parse_args(argv)
@@ -186,3 +186,4 @@ def test_rollout_task_offsets_ports_by_local_id(tmp_path):
     cfg = load_config(None, args.overrides)
     assert cfg.addresses.rollout == "0.0.0.0:50057" and cfg.addresses.host == ""
     assert cfg.telemetry.metrics_port == 9413
+    assert cfg.rollout.num_workers == 6 and cfg.groups_in_flight == 3  # 16 prompts per step over 6 workers
