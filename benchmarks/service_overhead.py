@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ from services.trainer.distributed import init_distributed
 WARMUP = 3
 
 
-def plain(cfg) -> tuple[float, float]:
+def plain(cfg) -> tuple[list[float], float]:
     """GRPO with nothing but torch and transformers (the model and tokenizer built as the others build them)."""
     torch.set_num_threads(1)
     model, tok = load_policy(cfg.policy, cfg.run.seed, "cpu")
@@ -83,7 +84,7 @@ def plain(cfg) -> tuple[float, float]:
         optimizer.step()
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
-    return _mean(walls), _mean(cpus)
+    return walls[WARMUP:], _mean(cpus)
 
 
 def _mean(values) -> float:
@@ -91,7 +92,7 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-def in_process(cfg) -> tuple[float, float]:
+def in_process(cfg) -> tuple[list[float], float]:
     torch.set_num_threads(1)
     engine, policy = HFEngine(cfg, "benchmark"), FSDP2Backend(cfg, init_distributed(600))
     env = make_environment("toy_copy")
@@ -131,7 +132,7 @@ def in_process(cfg) -> tuple[float, float]:
         cpus.append(time.process_time() - c0)
         phases.append((t1 - t0, t2 - t1, walls[-1] - (t2 - t0)))
     IN_PROCESS_PHASES.update(zip(("rollout", "training", "weights"), map(_mean, zip(*phases))))
-    return _mean(walls), _mean(cpus)
+    return walls[WARMUP:], _mean(cpus)
 
 
 IN_PROCESS_PHASES: dict[str, float] = {}
@@ -150,8 +151,9 @@ def _cpu_seconds(stack: LocalStack) -> dict[str, float]:
     return out
 
 
-def through_services(cfg) -> tuple[float, float, list[dict], dict[str, float]]:
-    """Mean wall and CPU seconds per step (after WARMUP), the measured rows, and CPU seconds per step by child."""
+def through_services(cfg) -> tuple[list[float], float, list[dict], dict[str, float]]:
+    """Wall seconds of each step and mean CPU seconds per step (after WARMUP), the measured rows, and CPU seconds
+    per step by child."""
     steps = cfg.grpo.max_num_steps
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
@@ -162,7 +164,7 @@ def through_services(cfg) -> tuple[float, float, list[dict], dict[str, float]]:
     done = max(1, len(rows) - n0)
     per_child = {name: (cpu1[name] - cpu0.get(name, 0.0)) / done for name in cpu1}
     rows = rows[WARMUP:]
-    return _avg(rows, "timing/train/total_step_time"), sum(per_child.values()), rows, per_child
+    return [r["timing/train/total_step_time"] for r in rows], sum(per_child.values()), rows, per_child
 
 
 def _avg(rows: list[dict], key: str) -> float:
@@ -214,15 +216,18 @@ def main() -> None:
     # No checkpoints: the other two sides save none, and a save is not a per-step cost of the services.
     cfg = load_config(None, [f"grpo.max_num_steps={args.steps}", "grpo.async_grpo.enabled=false",
                              "checkpointing.enabled=false", *args.overrides])
-    floor, floor_cpu = plain(cfg)
-    direct, direct_cpu = in_process(cfg)
-    services, services_cpu, rows, per_child = through_services(cfg)
-    print(f"{'per step':<26} {'wall s':>7} {'cpu s':>7}")
-    print(f"{'plain loop (no Flywheel)':<26} {floor:7.3f} {floor_cpu:7.3f}")
-    print(f"{'one process':<26} {direct:7.3f} {direct_cpu:7.3f}")
-    print(f"{'five services':<26} {services:7.3f} {services_cpu:7.3f}")
-    print(f"overhead per step         : {services - direct:+.3f} s  (ratio {services / direct:.2f}x) "
-          f"over one process; {services - floor:+.3f} s ({services / floor:.2f}x) over the plain loop")
+    floor_walls, floor_cpu = plain(cfg)
+    direct_walls, direct_cpu = in_process(cfg)
+    services_walls, services_cpu, rows, per_child = through_services(cfg)
+    print(f"{'per step':<26} {'wall s':>7} {'median':>7} {'cpu s':>7}")
+    for name, walls, cpu in (("plain loop (no Flywheel)", floor_walls, floor_cpu),
+                             ("one process", direct_walls, direct_cpu), ("five services", services_walls, services_cpu)):
+        print(f"{name:<26} {statistics.mean(walls):7.3f} {statistics.median(walls):7.3f} {cpu:7.3f}")
+    # Both: one slow step (a GC pause, a neighbour's burst on this shared machine) moves a 30-step mean by ms.
+    for label, average in (("overhead per step", statistics.mean), ("by the medians", statistics.median)):
+        floor, direct, services = map(average, (floor_walls, direct_walls, services_walls))
+        print(f"{label:<26}: {services - direct:+.3f} s  (ratio {services / direct:.2f}x) over one process; "
+              f"{services - floor:+.3f} s ({services / floor:.2f}x) over the plain loop")
     print("cpu s per step by process : " + "  ".join(f"{n} {v:.3f}" for n, v in
                                                      sorted(per_child.items(), key=lambda kv: -kv[1])))
     print_breakdown(rows)
