@@ -431,6 +431,10 @@ class RolloutConfig(Section):
     batch is G sequences per group, up to vllm_cfg.max_num_seqs). Null (the default): a step's prompts shared
     over the workers, ceil(grpo.num_prompts_per_step / num_workers), so a step is generated at once, as in
     NeMo RL (`FlywheelConfig.groups_in_flight`)."""
+    step_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one environment Step rpc. The groups that leave the engine together score in one call, up to a
+    worker's groups in flight, so it covers all of their episodes; an environment's own timeout_s (a remote's
+    per-call deadline) must be below it, or this deadline would cut that call first."""
 
 
 class ControllerConfig(Section):
@@ -557,6 +561,16 @@ class FlywheelConfig(Section):
         if not self.environments and not self.data.train_sets():
             raise ValueError("nothing to train on: set data.train (a dataset) or an `environments` entry; the toy "
                              "task runs only when named (environments: [{name: toy, kind: toy_copy}])")
+        return self
+
+    @model_validator(mode="after")
+    def _env_deadlines_fit_the_step_call(self) -> FlywheelConfig:
+        limit = self.rollout.step_timeout_s
+        for spec in self.environments:
+            if spec.timeout_s >= limit:
+                raise ValueError(f"environment {spec.name!r}: timeout_s {spec.timeout_s:g} must be below "
+                                 f"rollout.step_timeout_s ({limit:g}), the deadline of rollout's Step calls, which "
+                                 f"would cut it first")
         return self
 
     @model_validator(mode="after")

@@ -83,6 +83,10 @@ class Registry:
     async def submit(self, spec: controller_pb2.EnvironmentSpec, cursor: EpochCursor | None = None) -> Entry:
         """`cursor`: data.train rows the controller read itself (the spec then names no dataset)."""
         validate(spec)
+        limit = self.cfg.rollout.step_timeout_s
+        require(spec.timeout_seconds < limit,
+                f"{spec.name}: timeout_seconds {spec.timeout_seconds:g} must be below rollout.step_timeout_s "
+                f"({limit:g}), the deadline of rollout's Step calls, which would cut it first")
         if spec.name in self.entries or spec.name in self._pending:
             raise AlreadyExists(f"environment {spec.name!r} is already in the mix; remove it first "
                                 f"(flywheel env remove {spec.name}) or pick another name")

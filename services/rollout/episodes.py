@@ -65,9 +65,9 @@ class EpisodeRunner:
     """Runs one PromptGroup to a TrajectoryGroup with an engine and an environment stub."""
 
     def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
-                 default_sampling, max_seq_len: int, env_timeout_s: float = 60.0) -> None:
+                 default_sampling, max_seq_len: int, step_timeout_s: float) -> None:
         self.engine = engine
-        self.steps = StepBatcher(env, env_timeout_s)
+        self.steps = StepBatcher(env, step_timeout_s)
         self.default_sampling = default_sampling
         self.max_seq_len = max_seq_len
 

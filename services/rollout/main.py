@@ -167,7 +167,8 @@ class RolloutWorker:
         self.env = environment_pb2_grpc.EnvironmentServiceStub(
             channel(cfg.addresses.environment, security=cfg.security))
         self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
-                                    max_seq_len=cfg.policy.max_total_sequence_length)
+                                    max_seq_len=cfg.policy.max_total_sequence_length,
+                                    step_timeout_s=cfg.rollout.step_timeout_s)
         self._announcements: asyncio.Queue = asyncio.Queue()
 
     @property

@@ -78,14 +78,28 @@ async def test_unreachable_address_is_invalid_argument(registry):
 
 
 async def test_a_timeout_grpc_cannot_represent_is_invalid_argument(registry, faulty_remote):
-    """Found by tests/integration/security/test_fuzz.py: gRPC fails a call with a deadline 1e10 s away at once."""
-    with pytest.raises(InvalidArgument, match=r"'slow': timeout_seconds must be in \[0, 86400\], got 1000000"):
+    """Found by tests/integration/security/test_fuzz.py: gRPC fails a call with a deadline 1e10 s away at once.
+    The controller refuses it as longer than rollout's Step deadline; the environment service, which other
+    clients may call, refuses it itself."""
+    with pytest.raises(InvalidArgument, match=r"slow: timeout_seconds 1e\+10 must be below rollout.step_timeout_s"):
         await registry.submit(controller_pb2.EnvironmentSpec(name="slow", address=faulty_remote.address,
                                                              rows=rows(1), timeout_seconds=1e10))
-    with pytest.raises(grpc.aio.AioRpcError) as refused:  # the controller refuses inf itself; a client may not
-        await registry.env.Register(environment_pb2.RegisterRequest(name="slow", address=faulty_remote.address,
-                                                                    timeout_seconds=float("inf")))
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and registry.all() == []
+    for timeout in (1e10, float("inf")):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await registry.env.Register(environment_pb2.RegisterRequest(name="slow", address=faulty_remote.address,
+                                                                        timeout_seconds=timeout))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "timeout_seconds must be in [0, 86400]" in refused.value.details()
+    assert registry.all() == []
+
+
+async def test_a_remote_deadline_that_rollouts_step_call_would_cut_is_refused(registry, faulty_remote):
+    limit = registry.cfg.rollout.step_timeout_s
+    with pytest.raises(InvalidArgument, match=rf"slow: timeout_seconds {limit:g} must be below "
+                                              rf"rollout.step_timeout_s \({limit:g}\)"):
+        await registry.submit(controller_pb2.EnvironmentSpec(name="slow", address=faulty_remote.address,
+                                                             rows=rows(1), timeout_seconds=limit))
+    assert registry.all() == []
 
 
 async def test_empty_dataset_is_invalid_argument_and_leaves_nothing_registered(registry, faulty_remote, tmp_path):

@@ -78,6 +78,13 @@ def test_a_worker_generates_its_share_of_a_step_at_once_unless_told_otherwise():
     assert load_config(None, ["rollout.max_groups_in_flight=4"]).groups_in_flight == 4
 
 
+def test_an_environment_deadline_longer_than_rollouts_step_call_is_refused():
+    env = "environments=[{name: slow, address: 'h:1', timeout_s: 120}]"
+    with pytest.raises(ConfigError, match=r"'slow': timeout_s 120 must be below rollout.step_timeout_s \(100\)"):
+        load_config(None, [env, "rollout.step_timeout_s=100"])
+    assert load_config(None, [env]).rollout.step_timeout_s == 300
+
+
 def test_async_disabled_is_synchronous_whatever_the_age():
     cfg = load_config(None, ["grpo.async_grpo.enabled=false", "grpo.async_grpo.max_trajectory_age_steps=4"])
     assert cfg.grpo.max_staleness == 0
