@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -20,11 +21,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import load_config
-from services.local import INFRA, LocalStack
+from services.local import INFRA, LocalStack, read_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "compose" / "grafana" / "dashboards" / "flywheel.json"
-STEPS, PROMPTS = 3, 2
+STEPS, PROMPTS = 4, 2
+SCRAPE_S = 0.02
 METRIC_PREFIXES = ("flywheel_", "weight_sync_")
 SELECTOR = re.compile(r"\b((?:%s)[a-zA-Z0-9_:]*)(\{[^}]*\})?" % "|".join(METRIC_PREFIXES))
 
@@ -44,19 +46,29 @@ def observed_run(otlp_receiver, tmp_path_factory):
     cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}",
                              f"telemetry.otlp_endpoint={endpoint}"])
     scrapes: dict[str, str] = {}
+    stopped = threading.Event()
 
-    def scrape_all(rows) -> bool:
-        for name, port in stack.children.metrics_ports.items():
-            text = _scrape(port) if name not in INFRA else None
-            if text is not None and rows:  # after the first step: the labelled series exist by then
-                scrapes[name] = text
-        return len(rows) >= STEPS
+    def scrape_while_training(ports: dict[str, int]) -> None:
+        # On its own thread, often: these steps are so short that the trainer may finish all of them and exit
+        # between two of wait_for's polls. Only after the first step: the labelled series exist by then.
+        while not stopped.wait(SCRAPE_S):
+            if read_metrics(run_dir):
+                for name, port in ports.items():
+                    text = _scrape(port) if name not in INFRA else None
+                    if text is not None:
+                        scrapes[name] = text
 
     with LocalStack(cfg, run_dir) as stack:
         stack.start_services()
-        stack.wait_for(scrape_all, f"{STEPS} steps", timeout_s=600)
-        trainer = stack.children.procs["trainer"]
-        trainer.wait(timeout=60)  # it exits after its last step, flushing its spans
+        scraper = threading.Thread(target=scrape_while_training, args=(dict(stack.children.metrics_ports),))
+        scraper.start()
+        try:
+            stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=600)
+            trainer = stack.children.procs["trainer"]
+            trainer.wait(timeout=60)  # it exits after its last step, flushing its spans
+        finally:
+            stopped.set()
+            scraper.join()
     deadline = time.monotonic() + 15  # every service flushed at exit; the receiver may still be storing
     while time.monotonic() < deadline and not any(s.name == "trainer.step" for s in receiver.snapshot()):
         time.sleep(0.5)
