@@ -8,7 +8,9 @@ warm-up), steps/s, the ratio, and how close the ratio comes to the ideal.
 The ideal comes from the synchronous run, where nothing overlaps: each step is T, the trainer's own work
 (batch, logprobs, optimizer, weight sync), plus G, everything it waits for (lease, generation, environment,
 ingest). An asynchronous step can be no shorter than max(G, T), so the speed-up is bounded by
-(G + T) / max(G, T), and "achieved" is the measured speed-up over that bound.
+(G + T) / max(G, T), and "achieved" is the measured speed-up over that bound. A second bound comes from
+the async run's own CPU use: a core gives at most one CPU-second per second, so a step can be no shorter
+than the CPU seconds per step of the busiest core (pinned) or of all processes over the cores (not pinned).
 
 Overlap needs the two sides to have their own CPUs. On a 2-core machine an unpinned rollout and trainer
 compete for the same cores, so by default the trainer gets CPU 1 to itself and every other process of the
@@ -25,9 +27,11 @@ import tempfile
 from pathlib import Path
 
 from services.common.config import load_config
-from services.local import LocalStack
+from services.local import LocalStack, read_metrics
 
 WARMUP = 5
+CPU_MARGIN = 10
+"""Steps before the last at which the CPU window closes."""
 TRAINER_CPUS, OTHER_CPUS = {1}, {0}
 """The trainer's core, and the one every other child shares."""
 
@@ -41,22 +45,41 @@ def pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(steps: int, k: int, overrides: list[str], pinned: bool) -> dict[str, float]:
     cfg = load_config(None, [f"grpo.max_num_steps={steps}", f"grpo.async_grpo.enabled={k > 0}",
                              f"grpo.async_grpo.max_trajectory_age_steps={k}", *overrides])
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
+        procs, run_dir = stack.children.procs, stack.children.run_dir
         if pinned:
-            for name, proc in stack.children.procs.items():
+            for name, proc in procs.items():
                 pin(proc.pid, TRAINER_CPUS if name == "trainer" else OTHER_CPUS)
+        stack.wait_for(lambda rows: len(rows) >= WARMUP, f"{WARMUP} steps", timeout_s=3600)
+        before, first = {name: cpu_s(proc.pid) for name, proc in procs.items()}, len(read_metrics(run_dir))
+        # Stop counting CPU well before the last step: the trainer exits after it, and wait_for polls every 0.3 s.
+        stack.wait_for(lambda rows: len(rows) >= steps - CPU_MARGIN, "the CPU window", timeout_s=3600)
+        used = {name: cpu_s(proc.pid) - before[name] for name, proc in procs.items()}
+        last = len(read_metrics(run_dir))
         rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
+    per_step = {name: seconds / (last - first) for name, seconds in used.items()}
     timed = rows[WARMUP:]
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     step_s = mean("timing/train/total_step_time")
     train_s = mean("timing/train/policy_training") + mean("timing/train/weight_sync")
     return {"step_s": step_s, "train_s": train_s, "wait_s": step_s - train_s,
             "staleness": mean("train/staleness_mean"),
-            "reward_last10": sum(r["train/reward_mean"] for r in rows[-10:]) / 10}
+            "reward_last10": sum(r["train/reward_mean"] for r in rows[-10:]) / 10,
+            "cpu_trainer_s": per_step["trainer"],
+            "cpu_rest_s": sum(v for name, v in per_step.items() if name != "trainer")}
 
 
 def main() -> None:
@@ -82,6 +105,15 @@ def main() -> None:
     print(f"speed-up async/sync: {speedup:.2f}x steps/s (trainer wait for data {g:.3f} s -> {async_['wait_s']:.3f} s)")
     print(f"ideal bound (G + T) / max(G, T) from the sync run: G {g:.3f} s, T {t:.3f} s -> {ideal:.2f}x; "
           f"achieved {speedup / ideal:.2f} of it")
+    trainer_cpu, rest_cpu = async_["cpu_trainer_s"], async_["cpu_rest_s"]
+    if args.pin:
+        floor, how = max(trainer_cpu, rest_cpu), "the busier core"
+    else:
+        floor, how = (trainer_cpu + rest_cpu) / len(os.sched_getaffinity(0)), "all of it over the cores"
+    cores = sync["step_s"] / floor
+    print(f"CPU per step of the async run: trainer {trainer_cpu:.3f} s, the rest of the stack {rest_cpu:.3f} s; "
+          f"a step takes at least {how}, {floor:.3f} s -> {cores:.2f}x; "
+          f"achieved {speedup / min(ideal, cores):.2f} of the lower bound")
 
 
 if __name__ == "__main__":
