@@ -24,8 +24,10 @@ from services.common.jsonl import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
-STEPS = 4
+STEPS = 10
 KILL_AFTER = 1  # steps done when replay is killed
+"""The tiny steps take tens of milliseconds: the steps after KILL_AFTER must outlast the killer's reaction, or
+it kills a replay the run no longer needs and the restarted one is never waited for."""
 
 
 def _job_states(env: dict, job_id: str) -> list[dict[str, str]]:
@@ -46,7 +48,7 @@ def _kill_replay_after(run_dir: Path, steps: int, killed: list[str], deadline_s:
                     os.kill(int(line.split(":")[0]), signal.SIGKILL)
                     killed.append(line)
             return
-        time.sleep(0.5)
+        time.sleep(0.02)
 
 
 @pytest.mark.slurm
