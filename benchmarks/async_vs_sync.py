@@ -28,6 +28,7 @@ from pathlib import Path
 
 from services.common.config import load_config
 from services.local import LocalStack, read_metrics
+from stack_cpu import cpu_seconds
 
 WARMUP = 5
 CPU_MARGIN = 10
@@ -45,29 +46,20 @@ def pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (Linux /proc); 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run(steps: int, k: int, overrides: list[str], pinned: bool) -> dict[str, float]:
     cfg = load_config(None, [f"grpo.max_num_steps={steps}", f"grpo.async_grpo.enabled={k > 0}",
                              f"grpo.async_grpo.max_trajectory_age_steps={k}", *overrides])
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
-        procs, run_dir = stack.children.procs, stack.children.run_dir
+        run_dir = stack.children.run_dir
         if pinned:
-            for name, proc in procs.items():
+            for name, proc in stack.children.procs.items():
                 pin(proc.pid, TRAINER_CPUS if name == "trainer" else OTHER_CPUS)
         stack.wait_for(lambda rows: len(rows) >= WARMUP, f"{WARMUP} steps", timeout_s=3600)
-        before, first = {name: cpu_s(proc.pid) for name, proc in procs.items()}, len(read_metrics(run_dir))
+        before, first = cpu_seconds(stack), len(read_metrics(run_dir))
         # Stop counting CPU well before the last step: the trainer exits after it, and wait_for polls every 0.3 s.
         stack.wait_for(lambda rows: len(rows) >= steps - CPU_MARGIN, "the CPU window", timeout_s=3600)
-        used = {name: cpu_s(proc.pid) - before[name] for name, proc in procs.items()}
+        used = {name: seconds - before.get(name, 0.0) for name, seconds in cpu_seconds(stack).items()}
         last = len(read_metrics(run_dir))
         rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
     per_step = {name: seconds / (last - first) for name, seconds in used.items()}

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import torch
 
 from services.common.config import load_config
@@ -41,6 +40,7 @@ from services.trainer.algorithms import compute_advantages
 from services.trainer.batch import build_batch
 from services.trainer.backends.fsdp2 import FSDP2Backend
 from services.trainer.distributed import init_distributed
+from stack_cpu import cpu_seconds
 
 WARMUP = 3
 
@@ -139,18 +139,6 @@ IN_PROCESS_PHASES: dict[str, float] = {}
 """The one-process loop's mean seconds per phase: generation and environment, batch and training, weight copy."""
 
 
-def _cpu_seconds(stack: LocalStack) -> dict[str, float]:
-    """user + system CPU seconds of each child of the stack so far, its own children included."""
-    out = {}
-    for name, proc in stack.children.procs.items():
-        try:
-            parent = psutil.Process(proc.pid)
-            out[name] = sum(sum(p.cpu_times()[:2]) for p in [parent, *parent.children(recursive=True)])
-        except psutil.NoSuchProcess:
-            out[name] = 0.0
-    return out
-
-
 def through_services(cfg) -> tuple[list[float], float, list[dict], dict[str, float]]:
     """Wall seconds of each step and mean CPU seconds per step (after WARMUP), the measured rows, and CPU seconds
     per step by child."""
@@ -158,9 +146,9 @@ def through_services(cfg) -> tuple[list[float], float, list[dict], dict[str, flo
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
         stack.wait_for(lambda rows: len(rows) >= WARMUP, f"{WARMUP} steps", timeout_s=3600)
-        n0, cpu0 = len(read_metrics(stack.children.run_dir)), _cpu_seconds(stack)
+        n0, cpu0 = len(read_metrics(stack.children.run_dir)), cpu_seconds(stack)
         rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
-        cpu1 = _cpu_seconds(stack)
+        cpu1 = cpu_seconds(stack)
     done = max(1, len(rows) - n0)
     per_child = {name: (cpu1[name] - cpu0.get(name, 0.0)) / done for name in cpu1}
     rows = rows[WARMUP:]
