@@ -10,6 +10,7 @@ status codes in one interceptor, turns SIGINT/SIGTERM into an Event, runs the se
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import queue
@@ -170,6 +171,7 @@ async def run_service(name: str, address: str, register: Register, main: Main | 
     if not address.startswith(LOOPBACK) and not (credentials or security.run_token.get_secret_value()):
         log.warning("%s listens beyond loopback on %s with neither TLS nor a run token", name, address)
 
+    freeze_startup_heap()
     work = asyncio.create_task(main(stop)) if main else None
     stopped = asyncio.create_task(stop.wait())
     try:
@@ -186,6 +188,17 @@ async def run_service(name: str, address: str, register: Register, main: Main | 
         stopped.cancel()
     if work and work.done() and not work.cancelled() and work.exception():
         raise work.exception()
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up built (imports, the model, the engine) out of the cyclic garbage collector.
+
+    A full collection walks every tracked object: with torch and transformers imported that is ~400k of
+    them and ~170 ms on a 2-core machine, and Python runs one whenever enough new objects have survived,
+    in the middle of a step. Frozen objects are never walked again (they are freed by reference counting
+    as usual; only cycles among them would stay). What start-up left as garbage is collected first."""
+    gc.collect()
+    gc.freeze()
 
 
 def channel(address: str, options: Sequence[tuple[str, object]] = (), *,

@@ -39,7 +39,8 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
-from services.common.server import RETRIED, RPC_ERRORS, channel, in_daemon_thread, retrying, run_service
+from services.common.server import (RETRIED, RPC_ERRORS, channel, freeze_startup_heap, in_daemon_thread, retrying,
+                                   run_service)
 from services.common.telemetry import setup_telemetry, start_step_span
 from services.common.weights import WeightSender
 from services.trainer.backends import make_backend
@@ -315,6 +316,7 @@ async def serve(cfg: FlywheelConfig) -> None:
         else:
             for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
                 signal.signal(sig, signal.SIG_IGN)
+            freeze_startup_heap()  # as run_service does on rank 0: a full collection would stall the lockstep
             ranks.follow()
     finally:
         if dist.is_initialized():
