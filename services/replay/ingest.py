@@ -33,6 +33,7 @@ from services.common.config import ReplayConfig
 from services.common.pb.flywheel.v1 import types_pb2
 from services.common.telemetry import extract_context
 from services.replay.metrics import BUFFER_GROUPS, DEAD_LETTERS, DUPLICATES, FILTERED, INGESTED
+from services.replay.pulse import Pulse
 from services.replay.store import Put, ReplayStore
 from services.replay.validate import Malformed, decode_group, zero_variance
 
@@ -51,28 +52,6 @@ HEADER_ROOM = 4096
 """Bytes of a dead letter kept for its headers (NATS counts them in max_payload)."""
 
 
-class Stored:
-    """Ingest -> Sample: how many writes have stored new groups, and a wait for the next one, so a Sample
-    that is not ready yet can wait for data instead of the trainer polling it."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._event = asyncio.Event()
-
-    def fire(self) -> None:
-        self.count += 1
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, seen: int, timeout: float) -> None:
-        """Return once `count` has moved past `seen` or after `timeout` seconds."""
-        event = self._event
-        if self.count != seen:
-            return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
-
-
 @dataclass(slots=True)
 class Batch:
     """Fetched messages that passed the checks, with what to store for each; the rest are already handled."""
@@ -87,14 +66,14 @@ class Ingest:
     every write that stored a new group."""
 
     def __init__(self, bus: Bus, store: ReplayStore, cfg: ReplayConfig, space: asyncio.Event | None = None, *,
-                 drop_zero_variance: bool = False, stored: Stored | None = None) -> None:
+                 drop_zero_variance: bool = False, stored: Pulse | None = None) -> None:
         self.drop_zero_variance = drop_zero_variance
         """grpo.use_dynamic_sampling: groups with equal rewards are filtered out at ingest."""
         self.bus = bus
         self.store = store
         self.cfg = cfg
         self.space = space or asyncio.Event()
-        self.stored = stored or Stored()
+        self.stored = stored or Pulse()
         self._writing = 0
         """Groups of the write in progress: not in the store's size yet, but they take room."""
         self._backlog = 0

@@ -23,7 +23,8 @@ from services.common.config import FlywheelConfig, load_config
 from services.common.logs import event, setup_logging
 from services.common.server import run_service
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.replay.ingest import Ingest, Stored
+from services.replay.ingest import Ingest
+from services.replay.pulse import Pulse
 from services.replay.reports import TrainerReports
 from services.replay.server import SAMPLE_HOLD_S, ReplayServicer, RunShape, register
 from services.replay.store import ReplayStore
@@ -56,13 +57,14 @@ async def open_replay(cfg: FlywheelConfig) -> AsyncIterator[Replay]:
         stack.push_async_callback(bus.close)
         store = ReplayStore(redis, cfg.run.name, tombstone_ttl_s=cfg.replay.tombstone_ttl_s)
         space = asyncio.Event()  # Sample -> ingest: buffer room was freed
-        stored = Stored()  # ingest -> Sample: new groups are in Redis
+        stored = Pulse()  # ingest -> Sample: new groups are in Redis
+        reported = Pulse()  # step reports -> Commit: the trainer's progress moved
         run = RunShape(prompts_per_step=cfg.grpo.num_prompts_per_step, max_staleness=cfg.grpo.max_staleness)
         ingest = Ingest(bus, store, cfg.replay, space, drop_zero_variance=cfg.grpo.use_dynamic_sampling,
                         stored=stored)
-        yield Replay(store=store, ingest=ingest, reports=TrainerReports(bus, store),
+        yield Replay(store=store, ingest=ingest, reports=TrainerReports(bus, store, reported),
                      servicer=ReplayServicer(store, bus, cfg.replay, space, run=run, stored=stored,
-                                             hold_s=SAMPLE_HOLD_S))
+                                             reported=reported, hold_s=SAMPLE_HOLD_S))
 
 
 async def serve(cfg: FlywheelConfig) -> None:

@@ -19,17 +19,19 @@ from google.protobuf.message import DecodeError
 from services.common.bus import Bus
 from services.common.logs import RateLimitedLog
 from services.common.pb.flywheel.v1 import types_pb2
+from services.replay.pulse import Pulse
 from services.replay.store import ReplayStore
 
 log = logging.getLogger("flywheel.replay.reports")
 
 
 class TrainerReports:
-    """Subscribes to the trainer's step reports until `stop` is set."""
+    """Subscribes to the trainer's step reports until `stop` is set; `recorded` fires after each one is in Redis."""
 
-    def __init__(self, bus: Bus, store: ReplayStore) -> None:
+    def __init__(self, bus: Bus, store: ReplayStore, recorded: Pulse | None = None) -> None:
         self.bus = bus
         self.store = store
+        self.recorded = recorded or Pulse()
         self.warn = RateLimitedLog(log)
 
     async def handle(self, data: bytes) -> None:
@@ -43,6 +45,7 @@ class TrainerReports:
             return
         checkpoint = report.checkpoint_step if report.HasField("checkpoint_step") else None
         await self.store.record_trainer(report.step, checkpoint)
+        self.recorded.fire()
 
     async def run(self, stop: asyncio.Event) -> None:
         async def on_report(msg) -> None:

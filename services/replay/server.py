@@ -24,8 +24,8 @@ from services.common.bus import Bus
 from services.common.config import ReplayConfig
 from services.common.errors import FailedPrecondition, InvalidArgument, require
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, types_pb2
-from services.replay.ingest import Stored
 from services.replay.metrics import BUFFER_GROUPS, CHOSEN_STALENESS, SAMPLE_SECONDS, STALE_DROPPED
+from services.replay.pulse import Pulse
 from services.replay.store import OutOfOrder, ReplayStore, SampleResult, StepCommitted, StoreStats
 
 
@@ -34,7 +34,6 @@ ANNOUNCE_S = 1.0
 """How often the stale outbox is checked besides after each Sample (a publish that failed is retried)."""
 REPORT_WAIT_S = 5.0
 """How long Commit waits for the step report that covers it (it may trail the Commit on another connection)."""
-REPORT_POLL_S = 0.05
 SAMPLE_HOLD_S = 0.5
 """How long the service's Sample holds a not-ready answer while it waits for ingest to store groups (it
 answers as soon as the batch is ready): the trainer waits on this instead of polling replay and Redis."""
@@ -54,15 +53,18 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     def __init__(self, store: ReplayStore, bus: Bus | None, cfg: ReplayConfig,
                  space: asyncio.Event | None = None, *, run: RunShape | None = None,
-                 stored: Stored | None = None, hold_s: float = 0.0) -> None:
+                 stored: Pulse | None = None, reported: Pulse | None = None, hold_s: float = 0.0) -> None:
         """`stored` (fired by ingest) and `hold_s`: a Sample that is not ready samples again after each write
-        that stored groups, for up to `hold_s` seconds, before it answers not ready; 0 answers at once."""
+        that stored groups, for up to `hold_s` seconds, before it answers not ready; 0 answers at once.
+        `reported` (fired after each step report is recorded): a Commit that its report has not reached yet
+        tries again after each one, for up to REPORT_WAIT_S."""
         self.store = store
         self.bus = bus
         self.cfg = cfg
         self.space = space or asyncio.Event()
         self.run = run
-        self.stored = stored or Stored()
+        self.stored = stored or Pulse()
+        self.reported = reported or Pulse()
         self.hold_s = hold_s
         self._announcing = asyncio.Lock()  # one publisher of the outbox at a time: no id announced twice
 
@@ -134,12 +136,14 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             return replay_pb2.CommitResponse(deleted_groups=await self.store.commit(request.step))
         deadline = time.monotonic() + REPORT_WAIT_S
         while True:
+            seen = self.reported.count  # before the try: a report recorded during it ends the wait below at once
             try:
                 return replay_pb2.CommitResponse(deleted_groups=await self.store.commit(request.step, in_order=True))
             except OutOfOrder as err:
-                if err.reason != "not checkpointed" or time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if err.reason != "not checkpointed" or left <= 0:
                     raise FailedPrecondition(f"Commit refused, nothing deleted: {err}") from None
-            await asyncio.sleep(REPORT_POLL_S)  # the step report that covers it may still be on its way
+            await self.reported.wait(seen, left)  # the step report that covers it may still be on its way
 
 
 def check_sample_request(request: replay_pb2.SampleRequest, run: RunShape | None = None) -> None:
