@@ -5,9 +5,10 @@
 Runs the full local stack (NATS, Redis, five services) twice and prints the mean step time (after
 warm-up), steps/s, the ratio, and how close the ratio comes to the ideal.
 
-The ideal comes from the synchronous run, where nothing overlaps: each step is T, the trainer's own work
-(batch, logprobs, optimizer, weight sync), plus G, everything it waits for (lease, generation, environment,
-ingest). An asynchronous step can be no shorter than max(G, T), so the speed-up is bounded by
+The ideal comes from the synchronous run, where nothing overlaps: each step is G, the time the trainer spends
+getting its batch (its Sample calls, which in a synchronous run hold while the lease, generation, environment
+and ingest run), plus T, all the rest, which is the trainer's own work (batch, logprobs, optimizer, weight
+sync, and its checkpoints, step reports and Commits). An asynchronous step can be no shorter than max(G, T), so the speed-up is bounded by
 (G + T) / max(G, T), and "achieved" is the measured speed-up over that bound. A second bound comes from
 the async run's own CPU use: a core gives at most one CPU-second per second, so a step can be no shorter
 than the CPU seconds per step of the busiest core (pinned) or of all processes over the cores (not pinned).
@@ -66,8 +67,8 @@ def run(steps: int, k: int, overrides: list[str], pinned: bool) -> dict[str, flo
     timed = rows[WARMUP:]
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     step_s = mean("timing/train/total_step_time")
-    train_s = mean("timing/train/policy_training") + mean("timing/train/weight_sync")
-    return {"step_s": step_s, "train_s": train_s, "wait_s": step_s - train_s,
+    wait_s = mean("timing/train/replay_wait") + mean("timing/train/replay")
+    return {"step_s": step_s, "train_s": step_s - wait_s, "wait_s": wait_s,
             "staleness": mean("train/staleness_mean"),
             "reward_last10": sum(r["train/reward_mean"] for r in rows[-10:]) / 10,
             "cpu_trainer_s": per_step["trainer"],
@@ -87,14 +88,14 @@ def main() -> None:
     async_ = run(args.steps, args.k, args.overrides, args.pin)
     print(f"trainer on CPUs {sorted(TRAINER_CPUS)}, the rest of the stack on {sorted(OTHER_CPUS)}" if args.pin
           else "not pinned")
-    print(f"{'':<14}{'step s':>9}{'train s':>9}{'wait s':>9}{'staleness':>11}{'reward@end':>12}")
+    print(f"{'':<14}{'step s':>9}{'own s':>9}{'Sample s':>10}{'staleness':>11}{'reward@end':>12}")
     for name, r in (("sync (k=0)", sync), (f"async (k={args.k})", async_)):
-        print(f"{name:<14}{r['step_s']:9.3f}{r['train_s']:9.3f}{r['wait_s']:9.3f}{r['staleness']:11.2f}"
+        print(f"{name:<14}{r['step_s']:9.3f}{r['train_s']:9.3f}{r['wait_s']:10.3f}{r['staleness']:11.2f}"
               f"{r['reward_last10']:12.3f}")
     speedup = sync["step_s"] / async_["step_s"]
-    g, t = sync["wait_s"], sync["train_s"]  # what the trainer waits for, and its own work, not overlapped
+    g, t = sync["wait_s"], sync["train_s"]  # getting the batch, and the trainer's own work, not overlapped
     ideal = (g + t) / max(g, t)
-    print(f"speed-up async/sync: {speedup:.2f}x steps/s (trainer wait for data {g:.3f} s -> {async_['wait_s']:.3f} s)")
+    print(f"speed-up async/sync: {speedup:.2f}x steps/s (the trainer's Sample calls {g:.3f} s -> {async_['wait_s']:.3f} s)")
     print(f"ideal bound (G + T) / max(G, T) from the sync run: G {g:.3f} s, T {t:.3f} s -> {ideal:.2f}x; "
           f"achieved {speedup / ideal:.2f} of it")
     trainer_cpu, rest_cpu = async_["cpu_trainer_s"], async_["cpu_rest_s"]
