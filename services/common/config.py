@@ -163,11 +163,29 @@ class LossConfig(Section):
     """Use sg(current) for prev logprobs: ratio 1 in value, gradients kept (one update per rollout)."""
     disable_ppo_ratio: bool = False
     """REINFORCE/RLOO: the surrogate is -A * logprob, no ratio and no clipping."""
+    use_cispo: bool = False
+    """CISPO (MiniMax-M1): the surrogate is -A * sg(r_clip) * logprob, so the clip bounds each token's weight
+    but never drops its gradient; token level, with none of the other ratio options."""
 
     @model_validator(mode="after")
     def _gspo_is_sequence_level(self) -> LossConfig:
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("sequence_level_importance_ratios requires token_level_loss=false")
+        return self
+
+    @model_validator(mode="after")
+    def _cispo_is_consistent(self) -> LossConfig:
+        """The checks NeMo RL's ClippedPGLossFn asserts for use_cispo."""
+        if not self.use_cispo:
+            return self
+        conflicts = [name for name, on in (
+            ("disable_ppo_ratio", self.disable_ppo_ratio),  # no ratio to clip
+            ("force_on_policy_ratio", self.force_on_policy_ratio),  # a ratio of 1: nothing to weight
+            ("sequence_level_importance_ratios", self.sequence_level_importance_ratios),  # CISPO weighs tokens
+            ("ratio_clip_c", self.ratio_clip_c is not None),  # the dual clip would overwrite the CISPO surrogate
+            ("token_level_loss=false", not self.token_level_loss)) if on]
+        if conflicts:
+            raise ValueError(f"use_cispo cannot be combined with {', '.join(conflicts)}")
         return self
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ Per token (reference/nemo_rl.md §4.1), with lp the current logprobs:
     r      = exp(lp - prev)                  GSPO: exp(masked_mean_t(lp - prev)) per sequence
     r_clip = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max)
     l      = max(-A·r, -A·r_clip)            dual clip: min(l, -c·A) where A < 0
+                                             CISPO: l = -A·sg(r_clip)·lp
     loss   = reduce(w·l) + reduce(beta·KL)   w: importance.py, KL: kl.py
 
 force_on_policy_ratio uses prev = sg(lp); disable_ppo_ratio uses r = r_clip = lp (REINFORCE).
@@ -87,11 +88,14 @@ def _ratios(curr: Tensor, prev: Tensor, token_mask: Tensor, cfg: LossConfig) -> 
     return ratio, ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
 
-def _surrogate(advantages: Tensor, ratio: Tensor, clipped: Tensor, ratio_clip_c: float | None) -> Tensor:
-    """Pessimistic clipped surrogate per token [B, T], dual-clipped for negative advantages."""
+def _surrogate(advantages: Tensor, ratio: Tensor, clipped: Tensor, curr: Tensor, cfg: LossConfig) -> Tensor:
+    """Per token [B, T]: the pessimistic clipped surrogate, dual-clipped for negative advantages; or CISPO's
+    REINFORCE term weighted by the clipped ratio, which carries no gradient itself."""
+    if cfg.use_cispo:
+        return -advantages * clipped.detach() * curr
     loss = torch.max(-advantages * ratio, -advantages * clipped)
-    if ratio_clip_c is not None:
-        loss = torch.where(advantages < 0, torch.min(loss, -advantages * ratio_clip_c), loss)
+    if cfg.ratio_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -advantages * cfg.ratio_clip_c), loss)
     return loss
 
 
@@ -120,7 +124,7 @@ def clipped_pg_loss(
     reduce = dict(token_level=cfg.token_level_loss, **totals)
 
     ratio, clipped = _ratios(curr_logprobs, prev, token_mask, cfg)
-    surrogate = _surrogate(advantages, ratio, clipped, cfg.ratio_clip_c)
+    surrogate = _surrogate(advantages, ratio, clipped, curr_logprobs, cfg)
     weights, metrics = actor_importance_weights(prev, generation, token_mask, sample_mask, cfg, **totals)
     if not cfg.use_importance_sampling_correction:
         weights = torch.ones_like(weights)
@@ -155,7 +159,8 @@ def _ratio_metrics(
 
     clip_fraction_low: A < 0 and r < 1 - ratio_clip_min; clip_fraction_high: A > 0 and
     r > 1 + ratio_clip_max; dual_clip_fraction: A < 0 and the dual clip -c·A is the loss.
-    Not meaningful under disable_ppo_ratio, where r is the logprob itself.
+    Under CISPO the clip never cuts the gradient; the fractions count the tokens whose weight it bounds,
+    whatever the sign of A. Not meaningful under disable_ppo_ratio, where r is the logprob itself.
     """
     ratio, clipped = ratio.detach(), clipped.detach()
     valid = mask.bool()
@@ -163,11 +168,12 @@ def _ratio_metrics(
     def share(x: Tensor) -> float:
         return global_share(x.to(mask.dtype), mask, total)
 
+    negative, positive = (True, True) if cfg.use_cispo else (advantages < 0, advantages > 0)
     metrics = {
         "probs_ratio": share(ratio),
         "probs_ratio_clamped": share(clipped),
-        "clip_fraction_low": share((advantages < 0) & (ratio < 1.0 - cfg.ratio_clip_min)),
-        "clip_fraction_high": share((advantages > 0) & (ratio > 1.0 + cfg.ratio_clip_max)),
+        "clip_fraction_low": share(negative & (ratio < 1.0 - cfg.ratio_clip_min)),
+        "clip_fraction_high": share(positive & (ratio > 1.0 + cfg.ratio_clip_max)),
     }
     if cfg.ratio_clip_c is not None:
         unclipped = torch.max(-advantages * ratio, -advantages * clipped)

@@ -105,7 +105,10 @@ def reference_loss(lp, d: LossInputs, cfg: LossConfig, n_tok, n_seq):
         seq_loss, seq_kl = torch.zeros((), dtype=F64), torch.zeros((), dtype=F64)
         for t in range(length):
             a, m = float(adv[i, t]), tmask[t] * smask
-            token_loss = torch.maximum(-a * ratios[t], -a * clipped[t])
+            if cfg.use_cispo:
+                token_loss = -a * clipped[t].detach() * lp_row[t]
+            else:
+                token_loss = torch.maximum(-a * ratios[t], -a * clipped[t])
             if cfg.ratio_clip_c is not None and a < 0:
                 token_loss = torch.minimum(token_loss, torch.tensor(-a * cfg.ratio_clip_c, dtype=F64))
             w = weights[t] if cfg.use_importance_sampling_correction else 1.0
@@ -186,6 +189,10 @@ CONFIGS = {
                      truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.5),
     "force_on_policy_ratio": dict(force_on_policy_ratio=True, reference_policy_kl_penalty=0.1),
     "disable_ppo_ratio": dict(disable_ppo_ratio=True),
+    "cispo": dict(use_cispo=True, ratio_clip_min=0.1, ratio_clip_max=0.1),
+    "cispo_minimax_tis": dict(use_cispo=True, ratio_clip_min=1.0, ratio_clip_max=0.28,
+                              truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.2,
+                              reference_policy_kl_penalty=0.1),
 }
 
 
@@ -214,7 +221,7 @@ def test_loss_and_gradient_match_token_loop_reference(name, seed):
 
 
 @pytest.mark.parametrize("name", ["ppo", "dapo_clip_higher_dual_clip", "tis", "icepop", "kl_k3_tight_clamps",
-                                  "kl_on_policy_approximation", "gspo", "sequence_level_loss"])
+                                  "kl_on_policy_approximation", "gspo", "sequence_level_loss", "cispo"])
 def test_loss_and_gradient_match_reference_with_extreme_log_ratios(name):
     cfg = LossConfig(**CONFIGS[name])
     curr, data, n_tok, n_seq = random_inputs(7, extreme=True)
@@ -302,3 +309,25 @@ def test_kl_penalty_without_reference_logprobs_is_an_error():
 def test_inconsistent_truncation_config_is_rejected(bad):
     with pytest.raises(ValueError):
         LossConfig(**bad)
+
+
+def test_cispo_keeps_the_gradient_of_a_token_that_the_ppo_clip_drops():
+    """One token, A = 1, r = e^0.5 > 1 + 0.2: PPO's clipped term is constant there (no gradient), while CISPO
+    still pushes the logprob up, weighted by the clipped ratio 1.2 (sg: the weight itself is not differentiated)."""
+    curr = torch.tensor([[0.0]], dtype=F64)
+    data = LossInputs(prev_logprobs=torch.tensor([[-0.5]], dtype=F64), generation_logprobs=torch.tensor([[-0.5]],
+                      dtype=F64), advantages=torch.tensor([1.0], dtype=F64), token_mask=torch.tensor([[True]]),
+                      sample_mask=torch.tensor([True]))
+    _, ppo_grad, ppo_metrics = loss_and_grad(fast, curr, data, LossConfig(), 1.0, 1.0)
+    _, cispo_grad, cispo_metrics = loss_and_grad(fast, curr, data, LossConfig(use_cispo=True), 1.0, 1.0)
+    assert ppo_grad.item() == 0.0 and ppo_metrics["clip_fraction_high"] == pytest.approx(1.0)
+    assert cispo_grad.item() == pytest.approx(-1.2) and cispo_metrics["clip_fraction_high"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(disable_ppo_ratio=True), dict(force_on_policy_ratio=True), dict(ratio_clip_c=3.0),
+    dict(token_level_loss=False), dict(token_level_loss=False, sequence_level_importance_ratios=True),
+])
+def test_cispo_with_an_option_that_would_change_or_void_it_is_rejected(bad):
+    with pytest.raises(ValueError, match="use_cispo cannot be combined"):
+        LossConfig(use_cispo=True, **bad)

@@ -60,7 +60,7 @@ def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
     ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator"),
     ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
-    ("loss_fn.use_cispo=true", "loss_fn.use_cispo"),
+    ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
 ])
 def test_a_nemo_rl_key_flywheel_cannot_honour_is_refused_with_its_reason(override, key):
     with pytest.raises(ConfigError) as err:
@@ -73,3 +73,9 @@ def test_async_grpo_enabled_takes_max_trajectory_age_steps_as_k():
     cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.async_grpo.enabled=true",
                                                       "grpo.async_grpo.max_trajectory_age_steps=2"])
     assert cfg.grpo.max_staleness == 2
+
+
+def test_use_cispo_is_taken_from_the_nemo_rl_config():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "loss_fn.use_cispo=true", "loss_fn.ratio_clip_min=1.0",
+                                                      "loss_fn.ratio_clip_max=0.28"])
+    assert cfg.loss_fn.use_cispo and (cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max) == (1.0, 0.28)
