@@ -28,12 +28,10 @@ import tempfile
 from pathlib import Path
 
 from services.common.config import load_config
-from services.local import LocalStack, read_metrics
-from stack_cpu import cpu_seconds
+from services.local import LocalStack
+from stack_cpu import cpu_per_step
 
 WARMUP = 5
-CPU_MARGIN = 10
-"""Steps before the last at which the CPU window closes."""
 TRAINER_CPUS, OTHER_CPUS = {1}, {0}
 """The trainer's core, and the one every other child shares."""
 
@@ -52,18 +50,11 @@ def run(steps: int, k: int, overrides: list[str], pinned: bool) -> dict[str, flo
                              f"grpo.async_grpo.max_trajectory_age_steps={k}", *overrides])
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
-        run_dir = stack.children.run_dir
         if pinned:
             for name, proc in stack.children.procs.items():
                 pin(proc.pid, TRAINER_CPUS if name == "trainer" else OTHER_CPUS)
-        stack.wait_for(lambda rows: len(rows) >= WARMUP, f"{WARMUP} steps", timeout_s=3600)
-        before, first = cpu_seconds(stack), len(read_metrics(run_dir))
-        # Stop counting CPU well before the last step: the trainer exits after it, and wait_for polls every 0.3 s.
-        stack.wait_for(lambda rows: len(rows) >= steps - CPU_MARGIN, "the CPU window", timeout_s=3600)
-        used = {name: seconds - before.get(name, 0.0) for name, seconds in cpu_seconds(stack).items()}
-        last = len(read_metrics(run_dir))
+        per_step = cpu_per_step(stack, WARMUP, steps)
         rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
-    per_step = {name: seconds / (last - first) for name, seconds in used.items()}
     timed = rows[WARMUP:]
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     step_s = mean("timing/train/total_step_time")

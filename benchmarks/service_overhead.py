@@ -32,7 +32,7 @@ import torch
 from services.common.config import load_config
 from services.common.modeling import load_policy
 from services.environment.base import make_environment
-from services.local import LocalStack, read_metrics
+from services.local import LocalStack
 from services.rollout.engines import Sampling
 from services.rollout.engines.hf import HFEngine
 from services.rollout.episodes import prompt_token_ids
@@ -40,7 +40,7 @@ from services.trainer.algorithms import compute_advantages
 from services.trainer.batch import build_batch
 from services.trainer.backends.fsdp2 import FSDP2Backend
 from services.trainer.distributed import init_distributed
-from stack_cpu import cpu_seconds
+from stack_cpu import cpu_per_step
 
 WARMUP = 3
 
@@ -145,12 +145,8 @@ def through_services(cfg) -> tuple[list[float], float, list[dict], dict[str, flo
     steps = cfg.grpo.max_num_steps
     with tempfile.TemporaryDirectory() as tmp, LocalStack(cfg, Path(tmp)) as stack:
         stack.start_services()
-        stack.wait_for(lambda rows: len(rows) >= WARMUP, f"{WARMUP} steps", timeout_s=3600)
-        n0, cpu0 = len(read_metrics(stack.children.run_dir)), cpu_seconds(stack)
+        per_child = cpu_per_step(stack, WARMUP, steps)
         rows = stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=3600)
-        cpu1 = cpu_seconds(stack)
-    done = max(1, len(rows) - n0)
-    per_child = {name: (cpu1[name] - cpu0.get(name, 0.0)) / done for name in cpu1}
     rows = rows[WARMUP:]
     return [r["timing/train/total_step_time"] for r in rows], sum(per_child.values()), rows, per_child
 
