@@ -49,6 +49,23 @@ class RewardShapingConfig(Section):
     """Response length (tokens) at which the full penalty applies."""
 
 
+class RewardScalingConfig(Section):
+    """NeMo RL `grpo.reward_scaling`: each reward is clamped to [source_min, source_max], then mapped linearly
+    onto [target_min, target_max] (services/common/rewards.py), before shaping, advantages and dynamic sampling."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _source_is_a_range(self) -> RewardScalingConfig:
+        if self.source_max <= self.source_min:
+            raise ValueError(f"source_max ({self.source_max}) must be above source_min ({self.source_min})")
+        return self
+
+
 class AsyncGRPOConfig(Section):
     """NeMo RL `grpo.async_grpo`. Disabled is synchronous on-policy GRPO (k = 0), as in NeMo RL."""
 
@@ -109,6 +126,7 @@ class GRPOConfig(Section):
     """DAPO: replay drops groups whose rewards are all equal and the controller leases new prompts to refill the step."""
     dynamic_sampling_max_gen_batches: int = Field(10, gt=0)
     """Batches of num_prompts_per_step prompts one step may use, the first included; past it the run stops."""
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     overlong_filtering: bool = False
     """Truncated samples get zero loss weight."""

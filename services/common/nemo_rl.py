@@ -85,8 +85,9 @@ VLLM_ONLY = "Flywheel's vLLM engine"
 RULES: tuple[Rule, ...] = (
     Rule("grpo.adv_estimator", _grpo_estimator, "only the GRPO estimator is built; it reads grpo.normalize_rewards "
          "and grpo.use_leave_one_out_baseline (gdpo, reinforce_plus_plus, opd, gae are not)"),
-    Rule("grpo.batch_multiplier", _is(1), "generating more prompts than num_prompts_per_step per step is not built"),
-    Rule("grpo.reward_scaling", _off, "reward scaling is not built (environments take reward_scale)"),
+    Rule("grpo.batch_multiplier", lambda v, tree: v == 1 or (get(tree, "grpo.use_dynamic_sampling") and v >= 1),
+         "over-generation for dynamic sampling: Flywheel's controller leases a new prompt for each group dynamic "
+         "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),
     Rule("grpo.reward_shaping.stop_properly_penalty_coef", _is(None), "the stop-properly penalty is not built"),
     Rule("grpo.seq_logprob_error_threshold", _is(None), "masking by sequence logprob error is not built"),
     Rule("grpo.invalid_tool_call_advantage", _is(None), "tool-call advantage overrides are not built"),

@@ -29,7 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from opentelemetry import trace
 
 from services.common.bus import Bus
-from services.common.config import ReplayConfig
+from services.common.config import ReplayConfig, RewardScalingConfig
 from services.common.pb.flywheel.v1 import types_pb2
 from services.common.telemetry import extract_context
 from services.replay.metrics import BUFFER_GROUPS, DEAD_LETTERS, DUPLICATES, FILTERED, INGESTED
@@ -66,9 +66,11 @@ class Ingest:
     every write that stored a new group."""
 
     def __init__(self, bus: Bus, store: ReplayStore, cfg: ReplayConfig, space: asyncio.Event | None = None, *,
-                 drop_zero_variance: bool = False, stored: Pulse | None = None) -> None:
+                 drop_zero_variance: bool = False, reward_scaling: RewardScalingConfig | None = None,
+                 stored: Pulse | None = None) -> None:
         self.drop_zero_variance = drop_zero_variance
-        """grpo.use_dynamic_sampling: groups with equal rewards are filtered out at ingest."""
+        """grpo.use_dynamic_sampling: groups with equal rewards (after grpo.reward_scaling) are filtered out here."""
+        self.reward_scaling = reward_scaling
         self.bus = bus
         self.store = store
         self.cfg = cfg
@@ -150,7 +152,7 @@ class Ingest:
             except Malformed as err:
                 await self._dead_letter(msg, str(err))
                 continue
-            if self.drop_zero_variance and zero_variance(group):
+            if self.drop_zero_variance and zero_variance(group, self.reward_scaling):
                 await self.bus.publish(self.bus.subjects.filtered, types_pb2.StaleGroups(group_ids=[group.group_id]),
                                        msg_id=f"filtered:{group.group_id}")  # JetStream: survives a controller restart
                 FILTERED.inc()

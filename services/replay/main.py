@@ -61,7 +61,7 @@ async def open_replay(cfg: FlywheelConfig) -> AsyncIterator[Replay]:
         reported = Pulse()  # step reports -> Commit: the trainer's progress moved
         run = RunShape(prompts_per_step=cfg.grpo.num_prompts_per_step, max_staleness=cfg.grpo.max_staleness)
         ingest = Ingest(bus, store, cfg.replay, space, drop_zero_variance=cfg.grpo.use_dynamic_sampling,
-                        stored=stored)
+                        reward_scaling=cfg.grpo.reward_scaling, stored=stored)
         yield Replay(store=store, ingest=ingest, reports=TrainerReports(bus, store, reported),
                      servicer=ReplayServicer(store, bus, cfg.replay, space, run=run, stored=stored,
                                              reported=reported, hold_s=SAMPLE_HOLD_S))

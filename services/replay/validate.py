@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from services.common.config import RewardScalingConfig
 from services.common.pb.flywheel.v1 import types_pb2
+from services.common.rewards import scale_reward
 
 
 class Malformed(ValueError):
@@ -46,7 +48,7 @@ def check_group(group: types_pb2.TrajectoryGroup) -> None:
         raise Malformed(f"version_start {group.version_start} is not the oldest completion version {oldest}")
 
 
-def zero_variance(group: types_pb2.TrajectoryGroup) -> bool:
-    """All completions scored alike: GRPO's advantages are all zero, so DAPO's dynamic sampling drops it."""
-    rewards = [c.reward for c in group.completions]
-    return len(set(rewards)) <= 1
+def zero_variance(group: types_pb2.TrajectoryGroup, scaling: RewardScalingConfig | None = None) -> bool:
+    """All completions scored alike once scaled (grpo.reward_scaling clamps, so rewards past its source range
+    become equal): GRPO's advantages are all zero, so DAPO's dynamic sampling drops the group."""
+    return len({scale_reward(c.reward, scaling) if scaling else c.reward for c in group.completions}) <= 1

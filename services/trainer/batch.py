@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from services.common.config import GRPOConfig
+from services.common.rewards import scale_reward
 from services.trainer.algorithms import compute_advantages, overlong_reward_penalty
 
 
@@ -91,6 +92,8 @@ def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, fl
     on the loss, through `sample_mask`, so it never changes the advantages of the samples kept.
     """
     rewards = b.rewards
+    if g.reward_scaling.enabled:  # before shaping, as NeMo RL
+        rewards = torch.tensor([scale_reward(r, g.reward_scaling) for r in rewards.tolist()], dtype=rewards.dtype)
     if g.reward_shaping.enabled:  # DAPO overlong penalty on the generated length
         rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), g.reward_shaping)
     return compute_advantages(

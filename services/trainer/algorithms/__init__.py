@@ -6,7 +6,7 @@ function returns `(value, metrics)` where it has metrics. Semantics follow NeMo 
 """
 
 from services.trainer.algorithms.advantages import compute_advantages, group_layout
-from services.trainer.algorithms.dapo import overlong_reward_penalty, zero_variance_groups
+from services.trainer.algorithms.dapo import overlong_reward_penalty
 from services.trainer.algorithms.importance import actor_importance_weights, mismatch_metrics
 from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
 from services.trainer.algorithms.loss import LossInputs, clipped_pg_loss, reduce_per_token
@@ -22,5 +22,4 @@ __all__ = [
     "overlong_reward_penalty",
     "reduce_per_token",
     "reference_kl_per_token",
-    "zero_variance_groups",
 ]

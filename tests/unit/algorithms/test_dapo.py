@@ -1,4 +1,4 @@
-"""DAPO helpers against loop references: zero-variance groups and the overlong penalty."""
+"""DAPO's overlong penalty against a loop reference."""
 
 import random
 
@@ -6,14 +6,7 @@ import pytest
 import torch
 
 from services.common.config import RewardShapingConfig
-from services.trainer.algorithms import overlong_reward_penalty, zero_variance_groups
-
-
-def reference_zero_variance_groups(rewards, prompt_ids):
-    groups = {}
-    for reward, pid in zip(rewards, prompt_ids):
-        groups.setdefault(pid, []).append(reward)
-    return {pid for pid, values in groups.items() if len(set(values)) == 1}
+from services.trainer.algorithms import overlong_reward_penalty
 
 
 def reference_penalty(length, cfg):
@@ -21,21 +14,6 @@ def reference_penalty(length, cfg):
     expected = cfg.max_response_length - cfg.overlong_buffer_length
     exceed = length - expected
     return min(-exceed / cfg.overlong_buffer_length * cfg.overlong_buffer_penalty, 0.0)
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_zero_variance_groups_match_loop_reference(seed):
-    rng = random.Random(seed)
-    prompt_ids = [f"p{rng.randrange(6)}" for _ in range(rng.randint(1, 30))]
-    rewards = [float(rng.random() < 0.8) for _ in prompt_ids]
-    found = zero_variance_groups(torch.tensor(rewards), prompt_ids)
-    assert found == reference_zero_variance_groups(rewards, prompt_ids)
-
-
-def test_single_sample_and_all_equal_groups_are_zero_variance():
-    rewards = torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 2.0])
-    prompt_ids = ["flat", "flat", "flat", "mixed", "mixed", "solo"]
-    assert zero_variance_groups(rewards, prompt_ids) == {"flat", "solo"}
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -79,3 +79,12 @@ def test_use_cispo_is_taken_from_the_nemo_rl_config():
     cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "loss_fn.use_cispo=true", "loss_fn.ratio_clip_min=1.0",
                                                       "loss_fn.ratio_clip_max=0.28"])
     assert cfg.loss_fn.use_cispo and (cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max) == (1.0, 0.28)
+
+
+def test_a_dapo_recipes_reward_scaling_and_batch_multiplier_are_taken():
+    """As NeMo RL's dapo-qwen2.5-7b recipe sets them: batch_multiplier is over-generation for dynamic sampling,
+    which the controller's refills replace; above 1 without dynamic sampling it is refused (line above)."""
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=3",
+                                                      "grpo.reward_scaling.enabled=true",
+                                                      "grpo.reward_scaling.target_min=-1.0"])
+    assert cfg.grpo.reward_scaling.enabled and cfg.grpo.reward_scaling.target_min == -1.0
