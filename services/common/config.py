@@ -47,6 +47,8 @@ class RewardShapingConfig(Section):
     """Penalty at `max_response_length`; linear inside the buffer."""
     max_response_length: int = Field(512, gt=0)
     """Response length (tokens) at which the full penalty applies."""
+    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1)
+    """Set: a truncated sample's reward is multiplied by it, instead of the overlong penalty (NeMo RL)."""
 
 
 class RewardScalingConfig(Section):

@@ -94,8 +94,11 @@ def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, fl
     rewards = b.rewards
     if g.reward_scaling.enabled:  # before shaping, as NeMo RL
         rewards = torch.tensor([scale_reward(r, g.reward_scaling) for r in rewards.tolist()], dtype=rewards.dtype)
-    if g.reward_shaping.enabled:  # DAPO overlong penalty on the generated length
-        rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), g.reward_shaping)
+    shaping = g.reward_shaping
+    if shaping.enabled and shaping.stop_properly_penalty_coef is not None:  # in place of the overlong penalty
+        rewards = torch.where(b.truncated, rewards * shaping.stop_properly_penalty_coef, rewards)
+    elif shaping.enabled:  # DAPO overlong penalty on the generated length
+        rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), shaping)
     return compute_advantages(
         rewards, b.prompt_ids, torch.ones_like(rewards, dtype=torch.bool),
         use_leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards,

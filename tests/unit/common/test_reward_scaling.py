@@ -1,5 +1,6 @@
 """grpo.reward_scaling (NeMo RL's scale_rewards): clamp to the source range, map it onto the target range; the
-trainer's advantages and replay's dynamic-sampling check both see the scaled reward."""
+trainer's advantages and replay's dynamic-sampling check both see the scaled reward. And the stop-properly
+penalty of grpo.reward_shaping, applied after scaling, as NeMo RL does."""
 
 from __future__ import annotations
 
@@ -39,15 +40,37 @@ def test_rewards_that_the_clamp_makes_equal_are_a_zero_variance_group():
     assert zero_variance(group, DAPO)
 
 
-def test_the_trainers_advantages_use_the_scaled_reward():
-    from services.trainer.batch import batch_advantages, build_batch
+def one_group(rewards, truncated=None):
+    from services.trainer.batch import build_batch
 
+    truncated = truncated or [False] * len(rewards)
     completions = [SimpleNamespace(token_ids=[5, 6], generated_mask=[True, True], generation_logprobs=[-1.0, -1.0],
-                                   reward=r, version_start=0, truncated=False) for r in (1.0, 0.0, 0.0, 1.0)]
-    batch = build_batch([SimpleNamespace(prompt_token_ids=[1, 2], completions=completions, prompt_id="p",
-                                         env_name="math")], pad_id=0)
+                                   reward=r, version_start=0, truncated=t) for r, t in zip(rewards, truncated)]
+    return build_batch([SimpleNamespace(prompt_token_ids=[1, 2], completions=completions, prompt_id="p",
+                                        env_name="math")], pad_id=0)
+
+
+def test_the_trainers_advantages_use_the_scaled_reward():
+    from services.trainer.batch import batch_advantages
+
+    batch = one_group([1.0, 0.0, 0.0, 1.0])
     plain = GRPOConfig(normalize_rewards=False, use_leave_one_out_baseline=False)
     scaled = GRPOConfig(normalize_rewards=False, use_leave_one_out_baseline=False, reward_scaling=DAPO)
     assert batch_advantages(batch, plain)[0].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
     assert batch_advantages(batch, scaled)[0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0])
     assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]  # the batch keeps the environments' rewards
+
+
+def test_stop_properly_penalty_scales_truncated_rewards_after_scaling_and_replaces_the_overlong_penalty():
+    from services.common.config import RewardShapingConfig
+    from services.trainer.batch import batch_advantages
+
+    batch = one_group([1.0, 1.0, 0.0, 0.0], truncated=[False, True, False, True])
+    shaping = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.5, max_response_length=1,
+                                  overlong_buffer_length=1)  # the overlong penalty would cut every sample here
+    g = GRPOConfig(normalize_rewards=False, use_leave_one_out_baseline=False, reward_scaling=DAPO,
+                   reward_shaping=shaping)
+    # scaled 1, 1, -1, -1; truncated ones halved: 1, 0.5, -1, -0.5; mean 0
+    assert batch_advantages(batch, g)[0].tolist() == pytest.approx([1.0, 0.5, -1.0, -0.5])
+    with pytest.raises(ValueError):
+        RewardShapingConfig(stop_properly_penalty_coef=1.5)
