@@ -272,6 +272,11 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
             try:
                 report = await asyncio.wait_for(reports.get(), 1.0)
             except asyncio.TimeoutError:
+                if children.procs["trainer"].poll() == 0:  # done before the last step: checkpoint_must_save_by
+                    print(f"the trainer saved and stopped before its last step (checkpointing."
+                          f"checkpoint_must_save_by); `flywheel up --resume --run-dir {cfg.run.run_dir}` goes on",
+                          flush=True)
+                    return 0
                 continue
             print(_progress_line(cfg, report, time.monotonic() - started), flush=True)
             if report.final:

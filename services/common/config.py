@@ -555,6 +555,27 @@ class CheckpointingConfig(Section):
     metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     """Ranks checkpoints, e.g. train:reward_mean (the value of the step saved); null ranks by recency."""
     higher_is_better: bool = True
+    checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d\d:\d\d:\d\d$")
+    """'DD:HH:MM:SS' after the trainer starts: once the next step would end past it, save a checkpoint and stop
+    (NeMo RL's TimeoutChecker), so a job with a wall-clock limit ends with its work saved; start it again with
+    --resume and it goes on. null: no limit."""
+
+    @field_validator("checkpoint_must_save_by", mode="before")
+    @classmethod
+    def _a_quoted_duration(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 10:00:00:00 as base 60
+            # A ValueError, since pydantic reports that (not a TypeError) as a validation error.
+            raise ValueError(f"got the number {value}: quote the duration ('DD:HH:MM:SS'); YAML reads an "  # noqa: TRY004
+                             "unquoted one that starts with 1-9 as a base-60 number")
+        return value
+
+    @property
+    def must_save_by_s(self) -> float | None:
+        """checkpoint_must_save_by in seconds."""
+        if self.checkpoint_must_save_by is None:
+            return None
+        days, hours, minutes, seconds = map(int, self.checkpoint_must_save_by.split(":"))
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
 class TrainerConfig(Section):

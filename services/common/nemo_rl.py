@@ -97,7 +97,6 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_penalties", lambda v, _: not any((v or {}).values()), "NeMo-Gym reward penalties are not built"),
     Rule("loss_fn.use_kl_in_reward", _is(False), "KL in the reward (Reinforce++) is not built"),
     Rule("loss_fn.positive_example_nll_weight", _is(0.0), "the VAPO NLL term is not built"),
-    Rule("checkpointing.checkpoint_must_save_by", _is(None), "time-based checkpointing is not built"),
     Rule("checkpointing.model_save_format", lambda v, _: v in ("safetensors", None),
          "checkpoints are DCP shards; `flywheel export` writes safetensors"),
     Rule("checkpointing.save_consolidated", _is(False), "`flywheel export` consolidates a checkpoint"),

@@ -121,6 +121,8 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat, cb=self._on_heartbeat)
+        # checkpoint_must_save_by counts from here: restoring and waiting for rollout count against a job's limit too
+        started, limit_s = time.monotonic(), self.cfg.checkpointing.must_save_by_s
         try:
             start = await self._resume()
             while not self.members() and not stop.is_set():
@@ -136,7 +138,14 @@ class Trainer:
                 report, groups = done
                 report["timing/train/total_step_time"] = time.perf_counter() - t_prev
                 t_prev = time.perf_counter()
-                await self._finish_step(step, report, groups)
+                late = out_of_time(limit_s, time.monotonic() - started, step + 1 - start)
+                await self._finish_step(step, report, groups, save=late)
+                if late:
+                    log.warning("checkpointing.checkpoint_must_save_by (%s) is near: stopping after step %d (%s); "
+                                "start the run again with --resume to go on",
+                                self.cfg.checkpointing.checkpoint_must_save_by, step,
+                                "checkpoint saved" if self.cfg.checkpointing.enabled else "checkpointing is disabled")
+                    return
         finally:
             await sub.unsubscribe()
 
@@ -220,11 +229,12 @@ class Trainer:
                 self.workers.pop(w, None)  # back in at its next heartbeat
         return result.seconds
 
-    async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup]
-                           ) -> None:
-        """Checkpoint if due, then record and report, then let replay free what the checkpoint covers."""
+    async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup],
+                           *, save: bool = False) -> None:
+        """Checkpoint if due (or if `save`: the trainer stops after this step), then record and report, then let
+        replay free what the checkpoint covers."""
         final = step + 1 == self.cfg.grpo.max_num_steps
-        checkpointed = self.work.checkpointer.due(step + 1, final)
+        checkpointed = self.work.checkpointer.due(step + 1, final or save)
         if checkpointed:
             t0 = time.perf_counter()
             await self._call("save", step + 1, metrics)
@@ -261,6 +271,12 @@ class Trainer:
                 RPC_ERRORS.labels("replay.Commit", err.code().name).inc()
                 await asyncio.sleep(0.1 * 2 ** attempt)
         log.warning("replay did not accept Commit(%d); its batches stay stored", step)
+
+
+def out_of_time(limit_s: float | None, elapsed_s: float, steps_done: int) -> bool:
+    """checkpointing.checkpoint_must_save_by as NeMo RL's TimeoutChecker(fit_last_save_time=True) reads it: stop
+    after this step if one more of the mean length would end past the limit (None: no limit)."""
+    return limit_s is not None and steps_done > 0 and elapsed_s + elapsed_s / steps_done >= limit_s
 
 
 def group_timeline(groups, synced_at_ns: int, sample_returned_ns: int) -> dict[str, float]:
