@@ -344,6 +344,9 @@ class PolicyConfig(Section):
     model_name: str = "tiny"
     """A Hugging Face model id, a local path, or "tiny" for the locally built toy model."""
     tiny: TinyModelConfig = TinyModelConfig()
+    hf_config_overrides: dict[str, Any] = {}
+    """Attributes to set on the model's Hugging Face config before the model is built, in the trainer and in
+    both rollout engines (vLLM's hf_overrides), e.g. max_position_embeddings; a nested config takes a dict."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     max_total_sequence_length: int = Field(64, gt=0)
     train_micro_batch_size: int = Field(64, gt=0)

@@ -10,16 +10,19 @@ real checkpoint takes.
 from __future__ import annotations
 
 import functools
+import logging
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 
 from services.common.config import PolicyConfig
 
+log = logging.getLogger("flywheel.modeling")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TINY_CHARS = string.digits + string.ascii_lowercase + " :=+-*/()[]{}<>.,!?'\"\\_\n"
 # role initial + ":" per message, then "a:" to prompt the assistant; no hidden tokens.
@@ -40,17 +43,46 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def model_config(cfg: PolicyConfig, vocab_size: int) -> PretrainedConfig:
+    """The policy's Hugging Face config, the tiny model's or the checkpoint's, with policy.hf_config_overrides
+    applied: the trainer and both rollout engines build the model from it."""
+    if cfg.model_name == "tiny":
+        shape = cfg.tiny
+        config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.architecture]
+        config = config_cls(
+            vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_attention_heads, tie_word_embeddings=False,
+            max_position_embeddings=max(256, cfg.max_total_sequence_length), pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+    else:
+        config = AutoConfig.from_pretrained(cfg.model_name)
+    apply_overrides(config, cfg.hf_config_overrides)
+    return config
+
+
+def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any], where: str = "policy.hf_config_overrides"
+                    ) -> None:
+    """Set each attribute in place; a nested config (text_config, ...) takes a dict of its own, which updates it
+    rather than replacing it, as vLLM's hf_overrides does. An attribute the config lacks is set anyway (NeMo RL
+    and vLLM allow that) with a warning, since a misspelt one would otherwise change nothing unseen."""
+    for key, value in overrides.items():
+        current = getattr(config, key, _MISSING)
+        if isinstance(current, PretrainedConfig) and isinstance(value, dict):
+            apply_overrides(current, value, f"{where}.{key}")
+            continue
+        if current is _MISSING:
+            log.warning("%s.%s: %s has no such attribute; setting it anyway", where, key, type(config).__name__)
+        setattr(config, key, value)
+
+
+_MISSING = object()
+
+
 def build_tiny_model(cfg: PolicyConfig, vocab_size: int, seed: int) -> PreTrainedModel:
-    shape = cfg.tiny
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.architecture]
-    config = config_cls(vocab_size=vocab_size, hidden_size=shape.hidden_size,
-                        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
-                        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
-                        max_position_embeddings=max(256, cfg.max_total_sequence_length), tie_word_embeddings=False,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), dtype=torch.float32)
     return model
 
 
@@ -87,7 +119,8 @@ def load_policy(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"
     if cfg.model_name == "tiny":
         model = build_tiny_model(cfg, len(tokenizer), seed).to(dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config(cfg, len(tokenizer)),
+                                                     dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval(), tokenizer
 

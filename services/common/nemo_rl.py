@@ -102,7 +102,6 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpointing.save_consolidated", _is(False), "`flywheel export` consolidates a checkpoint"),
     Rule("checkpointing.save_optimizer", _is(True), "the optimizer state is always saved"),
     Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
-    Rule("policy.hf_config_overrides", _is({}), "model config overrides are not built"),
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
     Rule("policy.logprob_chunk_size", _is(None), "chunked logprobs are not built"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from services.common.config import FlywheelConfig, PolicyConfig
-from services.common.modeling import build_tiny_model, load_tokenizer
+from services.common.modeling import build_tiny_model, load_tokenizer, model_config
 from services.common.weights.manifest import Manifest, TensorSpec
 from services.rollout.engines import Engine, Generated, Sampling
 
@@ -59,9 +59,9 @@ def meta_policy_model(policy: PolicyConfig, vocab_size: int, seed: int = 0) -> t
     with torch.device("meta"):
         if policy.model_name == "tiny":
             return build_tiny_model(policy, vocab_size, seed).to(dtype)
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(policy.model_name), dtype=dtype)
+        return AutoModelForCausalLM.from_config(model_config(policy, vocab_size), dtype=dtype)
 
 
 def hf_manifest(model: torch.nn.Module) -> Manifest:
@@ -161,7 +161,8 @@ class VLLMEngine(Engine):
             max_model_len=p.max_total_sequence_length, logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=EXTENSION, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager or not torch.cuda.is_available(), max_num_seqs=v.max_num_seqs,
-            tensor_parallel_size=1, enable_prefix_caching=True, disable_log_stats=True)
+            tensor_parallel_size=1, enable_prefix_caching=True, disable_log_stats=True,
+            hf_overrides=dict(p.hf_config_overrides))  # a tiny model's written config has them already
         return AsyncLLM.from_engine_args(args)
 
     async def start(self) -> None:

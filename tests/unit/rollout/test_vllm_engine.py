@@ -24,16 +24,20 @@ def test_importing_the_backend_imports_no_vllm():
     assert had or "vllm" not in sys.modules  # the rollout image imports vllm only when it builds the engine
 
 
-@pytest.mark.parametrize("arch,precision", [("llama", "float32"), ("qwen2", "bfloat16"), ("llama", "float16")])
-def test_staged_layout_is_the_trainers_state_dict(arch, precision):
+@pytest.mark.parametrize("arch,precision,overrides", [
+    ("llama", "float32", []), ("qwen2", "bfloat16", []), ("llama", "float16", []),
+    ("qwen2", "float32", ["++policy.hf_config_overrides.intermediate_size=40"]),  # both sides build the new shape
+])
+def test_staged_layout_is_the_trainers_state_dict(arch, precision, overrides):
     from services.rollout.engines.vllm import hf_manifest, meta_policy_model
 
-    cfg = load_config(None, [f"policy.tiny.architecture={arch}", f"policy.precision={precision}"])
+    cfg = load_config(None, [f"policy.tiny.architecture={arch}", f"policy.precision={precision}", *overrides])
     model, tok = load_policy(cfg.policy, cfg.run.seed)
     sent = Manifest.of(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     meta = meta_policy_model(cfg.policy, len(tok), cfg.run.seed)
     assert hf_manifest(meta).digest == sent.digest  # what WeightReceiver checks before it joins an epoch
     assert all(p.device.type == "meta" for p in meta.parameters())
+    assert meta.model.layers[0].mlp.up_proj.weight.shape[0] == (40 if overrides else cfg.policy.tiny.intermediate_size)
 
 
 def test_tiny_model_head_dim_is_one_vllm_cpu_attention_accepts():
