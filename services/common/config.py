@@ -338,6 +338,9 @@ class GenerationConfig(Section):
     stop_token_ids: list[int] | None = None
     """Token ids that end a completion besides EOS (kept in the output); null: none."""
     vllm_cfg: VLLMConfig = VLLMConfig()
+    vllm_kwargs: dict[str, Any] = {}
+    """More vLLM engine arguments (AsyncEngineArgs fields, e.g. max_num_batched_tokens, compilation_config), passed
+    as they are; the vLLM engine refuses one it does not know or one that Flywheel sets from another key."""
 
 
 class PolicyConfig(Section):

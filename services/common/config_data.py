@@ -7,23 +7,52 @@ the datasets these describe. No torch, no IO.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.common.config_base import Section
 
-HUB_DATASETS = {"OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "problem", "expected_answer", "train_1M")}
-"""NeMo RL dataset names Flywheel knows: name -> (hub id, input_key, output_key, split)."""
+@dataclass(frozen=True, slots=True)
+class NamedDataset:
+    """A dataset NeMo RL knows by name (nemo_rl/data/datasets/response_datasets/): where it is on the hub and
+    which fields of its records hold the problem and the answer. A dotted key walks into nested fields."""
+
+    hub_id: str
+    split: str
+    input_key: str
+    output_key: str
+    subset: str | None = None
+    answer_after: str | None = None
+    """The answer is the text after this marker (GSM8K's "#### 42")."""
+    holds_out: bool = False
+    """Whether split_validation_size applies: NeMo RL's class for this dataset splits it, or ignores the key."""
+
+
+_GSM8K = NamedDataset("openai/gsm8k", "train", "question", "answer", subset="main", answer_after="####")
+_DAPO = dict(input_key="prompt.0.content", output_key="reward_model.ground_truth")
+NAMED_DATASETS = {
+    "OpenMathInstruct-2": NamedDataset("nvidia/OpenMathInstruct-2", "train_1M", "problem", "expected_answer",
+                                       holds_out=True),
+    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "train", **_DAPO),
+    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "train", **_DAPO),
+    "DeepScaler": NamedDataset("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer"),
+    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "train", "problem", "answer"),
+    "gsm8k": _GSM8K,
+    "GSM8K": _GSM8K,
+}
+"""NeMo RL dataset names Flywheel reads (from the hub where it is reachable, or from data_path)."""
 
 
 class DatasetConfig(Section):
     """One dataset (NeMo RL ResponseDatasetConfig). Unset fields take `data.default`'s."""
 
     dataset_name: str | None = None
-    """A name in HUB_DATASETS (read from the hub where it is reachable), or ResponseDataset / null with data_path."""
+    """A name in NAMED_DATASETS (read from the hub where it is reachable), or ResponseDataset / null with data_path."""
     data_path: str | None = None
-    """A local .jsonl, .json or .parquet file, a `datasets` directory saved to disk, or a hub dataset id."""
+    """A local .jsonl, .json or .parquet file, a `datasets` directory saved to disk, or a hub dataset id. With a
+    named dataset: a local copy of it, read the same way."""
     input_key: str | None = None
     """Column of the problem text; null detects messages, problem or input."""
     output_key: str | None = None
@@ -48,9 +77,9 @@ class DatasetConfig(Section):
     @model_validator(mode="after")
     def _known_source(self) -> DatasetConfig:
         name = self.dataset_name
-        if name not in (None, "ResponseDataset") and name not in HUB_DATASETS:
+        if name not in (None, "ResponseDataset") and name not in NAMED_DATASETS:
             raise ValueError(f"dataset_name {name!r} is not built; known: ResponseDataset (with data_path), "
-                             f"{', '.join(HUB_DATASETS)}")
+                             f"{', '.join(NAMED_DATASETS)}")
         return self
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from services.common.config import FlywheelConfig
-from services.common.config_data import HUB_DATASETS, DatasetConfig
+from services.common.config_data import NAMED_DATASETS, DatasetConfig
 from services.common.pb.flywheel.v1 import types_pb2
 from services.controller.data.plan import holdout, planned_steps
 from services.controller.data.rows import RowError, Templates, check_prompt_template, to_row
@@ -32,6 +32,8 @@ class PromptSet:
 class LoadedData:
     train: list[PromptSet]
     validation: list[PromptSet]
+    notes: list[str] = field(default_factory=list)
+    """Settings read and not applied, each with why."""
 
     @property
     def train_rows(self) -> int:
@@ -41,11 +43,16 @@ class LoadedData:
 def load_data(cfg: FlywheelConfig) -> LoadedData:
     """Reads data.train and data.validation. Raises DataError listing every dataset that failed."""
     problems: list[str] = []
-    train, validation = [], []
+    train, validation, notes = [], [], []
     for key, ds in _named(cfg.data.train_sets(), "data.train"):
         try:
             rows = _rows(key, ds)
-            keep, held = holdout(len(rows), ds.split_validation_size, ds.seed)
+            named = NAMED_DATASETS.get(ds.dataset_name)
+            held_out = ds.split_validation_size if named is None or named.holds_out else 0.0
+            if held_out != ds.split_validation_size:
+                notes.append(f"data: {key}: split_validation_size ignored: NeMo RL's {ds.dataset_name} takes no "
+                             "hold-out (give it a validation set instead)")
+            keep, held = holdout(len(rows), held_out, ds.seed)
             train.append(_set(ds, [rows[i] for i in keep], key))
             if held:
                 validation.append(_set(ds, [rows[i] for i in held], f"{key} (split_validation_size)"))
@@ -58,7 +65,7 @@ def load_data(cfg: FlywheelConfig) -> LoadedData:
             problems.append(str(err))
     if problems:
         raise DataError("\n".join(problems))
-    return LoadedData(train=train, validation=validation)
+    return LoadedData(train=train, validation=validation, notes=notes)
 
 
 def plan_steps(cfg: FlywheelConfig, data: LoadedData) -> int:
@@ -79,6 +86,7 @@ def plan_config(cfg: FlywheelConfig) -> tuple[FlywheelConfig, list[str]]:
     steps = plan_steps(cfg, data)
     lines = [f"data: {s.source}: {len(s.rows)} prompts for environment {s.env_name}" for s in data.train]
     lines += [f"data: {s.source}: {len(s.rows)} validation prompts" for s in data.validation]
+    lines += data.notes
     if steps != cfg.grpo.max_num_steps:
         lines.append(f"grpo.max_num_steps {cfg.grpo.max_num_steps} -> {steps}: grpo.max_num_epochs="
                      f"{cfg.grpo.max_num_epochs} over {data.train_rows} prompts, {cfg.grpo.num_prompts_per_step} per step")
@@ -103,8 +111,14 @@ def _rows(key: str, ds: DatasetConfig) -> list[types_pb2.DatasetRow]:
             check_prompt_template(templates.prompt)
         except RowError as err:
             raise DataError(f"{key}.prompt_file: {ds.prompt_file}: {err}") from None
-    path, input_key, output_key, split = _source(key, ds)
-    return _convert(key, path, templates, input_key, output_key, subset=ds.subset, split=split)
+    named = NAMED_DATASETS.get(ds.dataset_name)
+    path = ds.data_path or (named.hub_id if named else None)
+    if not path:
+        raise DataError(f"{key}.data_path: not set (a .jsonl/.json/.parquet file, a saved dataset, or a hub id)")
+    if named is None:
+        return _convert(key, path, templates, ds.input_key, ds.output_key, subset=ds.subset, split=ds.split)
+    return _convert(key, path, templates, ds.input_key or named.input_key, ds.output_key or named.output_key,
+                    subset=ds.subset or named.subset, split=ds.split or named.split, answer_after=named.answer_after)
 
 
 def load_rows(path: str) -> list[types_pb2.DatasetRow]:
@@ -113,12 +127,13 @@ def load_rows(path: str) -> list[types_pb2.DatasetRow]:
 
 
 def _convert(key: str, path: str, templates: Templates, input_key: str | None, output_key: str | None,
-             *, subset: str | None = None, split: str | None = None) -> list[types_pb2.DatasetRow]:
+             *, subset: str | None = None, split: str | None = None, answer_after: str | None = None
+             ) -> list[types_pb2.DatasetRow]:
     out = []
     try:
         for where, record in records(path, subset=subset, split=split):
             try:
-                row = to_row(record, input_key, output_key, templates)
+                row = to_row(record, input_key, output_key, templates, answer_after=answer_after)
                 out.append(json_format.ParseDict(row, types_pb2.DatasetRow()))
             except (RowError, json_format.ParseError) as err:
                 raise DataError(f"{key}: {where}: {err}") from None
@@ -127,15 +142,6 @@ def _convert(key: str, path: str, templates: Templates, input_key: str | None, o
     if not out:
         raise DataError(f"{key}: {path}: the dataset is empty")
     return out
-
-
-def _source(key: str, ds: DatasetConfig) -> tuple[str, str | None, str | None, str | None]:
-    if ds.dataset_name in HUB_DATASETS:
-        hub_id, input_key, output_key, split = HUB_DATASETS[ds.dataset_name]
-        return ds.data_path or hub_id, ds.input_key or input_key, ds.output_key or output_key, ds.split or split
-    if not ds.data_path:
-        raise DataError(f"{key}.data_path: not set (a .jsonl/.json/.parquet file, a saved dataset, or a hub id)")
-    return ds.data_path, ds.input_key, ds.output_key, ds.split
 
 
 def _read(key: str, path: str | None) -> str | None:

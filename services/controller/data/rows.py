@@ -4,6 +4,7 @@ Formats (detected per record unless input_key is set):
     {"messages": [user..., assistant]}          the last assistant message is the ground truth
     {"problem": ..., "expected_answer": ...}    OpenMathInstruct-2
     {"input": ..., "output": ...}               NeMo RL's ResponseDataset defaults
+A named dataset (config_data.NAMED_DATASETS) sets its own keys, dotted for nested fields.
 The prompt is [system (system_prompt_file)] + user (prompt_file.format(problem), or the problem),
 and metadata carries {"ground_truth": answer}, which the math environment verifies against. Rows in
 the messages format may carry their own "metadata" (an environment's state) and several prompt messages.
@@ -28,14 +29,20 @@ class Templates:
     """Content of a system message before the prompt; None: no system message."""
 
 
-def to_row(record: object, input_key: str | None, output_key: str | None, templates: Templates) -> dict:
-    """{"messages": prompt conversation, "metadata": {"ground_truth": ..., ...}} of one record."""
+def to_row(record: object, input_key: str | None, output_key: str | None, templates: Templates, *,
+           answer_after: str | None = None) -> dict:
+    """{"messages": prompt conversation, "metadata": {"ground_truth": ..., ...}} of one record. `answer_after`:
+    the ground truth is the text after this marker in the output field (GSM8K's "#### 42")."""
     if not isinstance(record, dict):
         raise RowError(f"a row must be a JSON object, got {type(record).__name__}")
     if input_key is None and "messages" in record:
         messages, metadata = _from_messages(record)
     else:
         problem, answer = _from_columns(record, input_key, output_key)
+        if answer_after is not None:
+            if answer_after not in answer:
+                raise RowError(f"the answer holds no {answer_after!r} before its final value")
+            answer = answer.split(answer_after)[1].strip()
         messages, metadata = [{"role": "user", "content": problem}], {"ground_truth": answer}
     return {"messages": apply_templates(messages, templates), "metadata": metadata}
 
@@ -48,12 +55,29 @@ def _from_columns(record: dict, input_key: str | None, output_key: str | None) -
                            f"set input_key / output_key")
         output_key = output_key or default_out
     output_key = output_key or "output"
+    values = []
     for key in (input_key, output_key):
-        if key not in record:
+        value = _field(record, key)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise RowError(f"{key!r} must be text, got {type(value).__name__}")
+        values.append(str(value))
+    return values[0], values[1]
+
+
+def _field(record: dict, key: str) -> object:
+    """record[key]; a dotted key that is not a column itself walks into nested objects and lists
+    ("prompt.0.content": DAPO-Math's chat-shaped records)."""
+    if key in record:
+        return record[key]
+    node: object = record
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
             raise RowError(f"no {key!r} key (keys: {', '.join(sorted(record)) or 'none'})")
-        if not isinstance(record[key], (str, int, float)) or isinstance(record[key], bool):
-            raise RowError(f"{key!r} must be text, got {type(record[key]).__name__}")
-    return str(record[input_key]), str(record[output_key])
+    return node
 
 
 def _from_messages(record: dict) -> tuple[list[dict], dict]:

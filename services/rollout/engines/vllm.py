@@ -27,6 +27,7 @@ completion's `weight_versions` spans ([start, end) token ranges per label), mapp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -62,6 +63,20 @@ def meta_policy_model(policy: PolicyConfig, vocab_size: int, seed: int = 0) -> t
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(model_config(policy, vocab_size), dtype=dtype)
+
+
+def engine_kwargs(ours: dict[str, Any], extra: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """AsyncEngineArgs: Flywheel's own arguments plus policy.generation.vllm_kwargs. An extra one vLLM does not
+    know, or one Flywheel sets itself (from another key, or because the weight channel depends on it), is an
+    error that names it, rather than a silent override either way."""
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"policy.generation.vllm_kwargs: {', '.join(unknown)}: not vLLM engine arguments")
+    taken = sorted(set(extra) & set(ours))
+    if taken:
+        raise ValueError(f"policy.generation.vllm_kwargs: {', '.join(taken)}: set by Flywheel from its own keys "
+                         "(policy.*, policy.generation.vllm_cfg.*) or required by the weight channel")
+    return {**ours, **extra}
 
 
 def hf_manifest(model: torch.nn.Module) -> Manifest:
@@ -156,14 +171,15 @@ class VLLMEngine(Engine):
             self._model_dir = write_model_dir(meta, self.tokenizer, tempfile.mkdtemp(prefix="flywheel-vllm-"))
             model = self._model_dir
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(v.cpu_kvcache_space_gib))  # GiB; CPU only
-        args = AsyncEngineArgs(
+        ours = dict(
             model=model, tokenizer=model, dtype=p.precision, load_format="dummy", seed=self.cfg.run.seed,
             max_model_len=p.max_total_sequence_length, logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=EXTENSION, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager or not torch.cuda.is_available(), max_num_seqs=v.max_num_seqs,
             tensor_parallel_size=1, enable_prefix_caching=True, disable_log_stats=True,
             hf_overrides=dict(p.hf_config_overrides))  # a tiny model's written config has them already
-        return AsyncLLM.from_engine_args(args)
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(ours, p.generation.vllm_kwargs, known)))
 
     async def start(self) -> None:
         """Set up the worker side: receiver, staging tensors, the logprob definition."""

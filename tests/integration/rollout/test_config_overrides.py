@@ -1,6 +1,6 @@
 """policy.hf_config_overrides on a local checkpoint: both engines build the model the trainer builds. The override
 (a large RMSNorm epsilon) changes every logprob of the tiny model, so an engine that dropped it would fail the
-logprob parity with the trainer."""
+logprob parity with the trainer. And policy.generation.vllm_kwargs reaches vLLM's engine config."""
 
 from __future__ import annotations
 
@@ -22,11 +22,14 @@ async def test_an_engine_applies_the_config_overrides_the_trainer_applies(tmp_pa
     tiny.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     cfg = load_config(None, [f"policy.model_name={tmp_path}", f"policy.generation.backend={backend}",
-                             "policy.max_total_sequence_length=96", "++policy.hf_config_overrides.rms_norm_eps=0.01"])
+                             "policy.max_total_sequence_length=96", "++policy.hf_config_overrides.rms_norm_eps=0.01",
+                             "++policy.generation.vllm_kwargs.max_num_batched_tokens=1536"])
     engine = make_engine(cfg, f"test-{backend}")
     trainer = Trainer(f"test-{backend}")
     try:
         await engine.start()
+        if backend == "vllm":
+            assert engine.llm.vllm_config.scheduler_config.max_num_batched_tokens == 1536
         model = policy(cfg, seed=1)
         assert model.config.rms_norm_eps == 0.01
         await trainer.push(engine, 0, model)

@@ -144,3 +144,42 @@ def test_openmathinstruct2_with_a_local_data_path_reads_its_columns_from_the_fil
     _jsonl(train, [{"input": "2+2?", "output": "4"}])
     with pytest.raises(DataError, match=f"{train}:1: no 'problem' key"):
         load_data(_cfg(tmp_path, train, "data.train.dataset_name=OpenMathInstruct-2"))
+
+
+@pytest.mark.parametrize("name, record, problem, answer", [
+    ("DAPOMath17K", {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "Solve x+1=3."}],
+                     "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"}}, "Solve x+1=3.", "2"),
+    ("DAPOMathAIME2024", {"prompt": [{"role": "user", "content": "AIME?"}], "reward_model": {"ground_truth": "204"}},
+     "AIME?", "204"),
+    ("gsm8k", {"question": "3 apples and 4 more?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}, "3 apples and 4 more?", "7"),
+    ("GSM8K", {"question": "q", "answer": "work\n#### 1,000"}, "q", "1,000"),
+    ("DeepScaler", {"problem": "p", "answer": "\\frac{1}{2}", "solution": "..."}, "p", "\\frac{1}{2}"),
+    ("AIME2024", {"id": 60, "problem": "p", "answer": 204, "solution": "..."}, "p", "204"),
+])
+def test_a_named_nemo_rl_dataset_reads_its_own_record_shape(tmp_path, name, record, problem, answer):
+    """The hub is unreachable here: a local copy (data_path) of records shaped as on the hub takes the same path."""
+    train = _jsonl(tmp_path / "train.jsonl", [record])
+    data = load_data(_cfg(tmp_path, train, f"data.train.dataset_name={name}"))
+    (row,) = data.train[0].rows
+    assert row.messages[0].content == problem and from_struct(row.metadata) == {"ground_truth": answer}
+
+
+def test_a_named_dataset_nemo_rl_never_splits_ignores_split_validation_size_and_says_so(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": str(i)}}
+            for i in range(40)]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    data = load_data(_cfg(tmp_path, train, "data.train.dataset_name=DAPOMath17K",
+                          "data.train.split_validation_size=0.1"))
+    assert len(data.train[0].rows) == 40 and not data.validation
+    assert data.notes == ["data: data.train: split_validation_size ignored: NeMo RL's DAPOMath17K takes no hold-out "
+                          "(give it a validation set instead)"]
+    omi2 = _jsonl(tmp_path / "omi2.jsonl", [{"problem": f"q{i}", "expected_answer": "1"} for i in range(40)])
+    split = load_data(_cfg(tmp_path, omi2, "data.train.dataset_name=OpenMathInstruct-2",
+                           "data.train.split_validation_size=0.1"))
+    assert len(split.train[0].rows) == 36 and len(split.validation[0].rows) == 4 and not split.notes
+
+
+def test_gsm8k_without_its_answer_marker_is_a_row_error(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"question": "q", "answer": "7"}])
+    with pytest.raises(DataError, match=f"{train}:1: the answer holds no '####'"):
+        load_data(_cfg(tmp_path, train, "data.train.dataset_name=gsm8k"))

@@ -82,3 +82,14 @@ def test_completion_output_becomes_generated_with_nan_for_a_missing_logprob():
     g = to_generated(out)
     assert g.token_ids == [5, 6, 7] and g.logprobs[:2] == [-0.5, -1.5] and torch.isnan(torch.tensor(g.logprobs[2]))
     assert g.truncated and g.versions == [1, 2, 2] and (g.version_start, g.version_end) == (1, 2)
+
+
+def test_vllm_kwargs_pass_through_unless_unknown_or_set_by_flywheel():
+    from services.rollout.engines.vllm import engine_kwargs
+
+    ours, known = {"model": "m", "max_num_seqs": 8}, {"model", "max_num_seqs", "max_num_batched_tokens"}
+    assert engine_kwargs(ours, {"max_num_batched_tokens": 4096}, known) == {**ours, "max_num_batched_tokens": 4096}
+    with pytest.raises(ValueError, match="vllm_kwargs: max_num_tokns: not vLLM engine arguments"):
+        engine_kwargs(ours, {"max_num_tokns": 1}, known)
+    with pytest.raises(ValueError, match="vllm_kwargs: max_num_seqs: set by Flywheel"):
+        engine_kwargs(ours, {"max_num_seqs": 64}, known)
