@@ -136,6 +136,9 @@ class MathEnvConfig(Section):
 
     num_workers: int = Field(2, gt=0)
     """Verifier processes of the math environment."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """hf_math_verify: math_verify on the boxed ground truth; dapo_math_verify: DAPO's check of the last
+    "Answer: ..." line, as normalized strings (NeMo RL's DAPO recipes)."""
 
 
 class EnvConfig(Section):

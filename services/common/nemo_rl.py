@@ -151,7 +151,6 @@ RULES: tuple[Rule, ...] = (
     Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),
     Rule("data.max_input_seq_length", _same_as("policy.max_total_sequence_length"),
          "prompts are bounded by policy.max_total_sequence_length (rollout truncates there)"),
-    Rule("env.math.math_verify_impl", _is("hf_math_verify"), "the math environment verifies with math_verify"),
     Rule("logger.tensorboard_enabled", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.tensorboard", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.monitor_gpus", _any, "GPU use is on each service's Prometheus /metrics"),

@@ -3,6 +3,7 @@
 The response is every assistant message joined, so multi-turn answers count. The ground truth is
 wrapped in \\boxed{} and extracted as LaTeX; the response is extracted as a plain expression or LaTeX.
 Reward is 1.0 when any extracted prediction verifies against the gold, else 0.0. Single-turn.
+With math_verify_impl "dapo_math_verify", DAPO's "Answer: ..." string check replaces math_verify (dapo_math.py).
 
 Where it runs: math_verify bounds sympy with signal.alarm, which works only on a main thread, and
 responses such as \\boxed{9^{9^{9^9}}} run sympy for ever (holding the GIL) without that bound. So a
@@ -24,6 +25,7 @@ from math_verify.metric import math_metric
 from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
 from services.environment.base import Environment, StepResult, assistant_contents
+from services.environment.envs.dapo_math import dapo_verify
 
 CORRECT = "Environment: correct"
 INCORRECT = "Environment: incorrect"
@@ -41,7 +43,12 @@ def verify_response(ground_truth: str, response: str) -> Verdict:
 class MathEnvironment(Environment):
     kind = "math"
 
-    def __init__(self, num_workers: int = 2, worker_deadline_s: float = 60.0) -> None:
+    def __init__(self, num_workers: int = 2, worker_deadline_s: float = 60.0,
+                 math_verify_impl: str = "hf_math_verify") -> None:
+        if math_verify_impl not in ("hf_math_verify", "dapo_math_verify"):
+            raise ValueError(f"math_verify_impl must be hf_math_verify or dapo_math_verify, got {math_verify_impl!r}")
+        self.dapo = math_verify_impl == "dapo_math_verify"
+        """DAPO's string check (envs/dapo_math.py) instead of math_verify; it needs no worker processes."""
         self.num_workers = num_workers
         """Verifier processes used when step() is called off the main thread."""
         self.worker_deadline_s = worker_deadline_s
@@ -51,11 +58,12 @@ class MathEnvironment(Environment):
 
     def step(self, conversations, metadata, *, return_extracted_answer=False):
         jobs = _jobs(conversations, metadata)
-        if threading.current_thread() is threading.main_thread():
-            verdicts = [_in_process(job) if isinstance(job, tuple) else job for job in jobs]
+        if self.dapo:
+            results = [_dapo_result(*job) if isinstance(job, tuple) else job for job in jobs]
+        elif threading.current_thread() is threading.main_thread():
+            results = [_result(_in_process(job)) if isinstance(job, tuple) else job for job in jobs]
         else:
-            verdicts = self._in_workers(jobs)
-        results = [_result(v) if isinstance(v, tuple) else v for v in verdicts]
+            results = [_result(v) for v in self._in_workers(jobs)]
         if not return_extracted_answer:
             for result in results:
                 result.answer = None
@@ -124,7 +132,14 @@ def _failure(exc: BaseException) -> StepResult:
     return StepResult.failed(f"verifier error: {type(exc).__name__}: {exc}", observation=INCORRECT)
 
 
-def _result(verdict: Verdict) -> StepResult:
+def _dapo_result(ground_truth: str, response: str) -> StepResult:
+    reward, prediction = dapo_verify(response, ground_truth)
+    return StepResult(observation=CORRECT if reward > 0 else INCORRECT, reward=reward, answer=prediction)
+
+
+def _result(verdict: Verdict | StepResult) -> StepResult:
+    if isinstance(verdict, StepResult):  # a failure of math_verify itself
+        return verdict
     score, extracted = verdict
     reward = float(score)
     return StepResult(observation=CORRECT if reward > 0 else INCORRECT, reward=reward,
