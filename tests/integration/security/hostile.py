@@ -1,7 +1,7 @@
 """Every public rpc of a running stack, and the traffic a stray or hostile client sends it.
 
 `RPCS` names each rpc with its request type and whether it is internal (run token) or the
-controller's admin API. `hostile(rpc, state)` makes structurally valid requests meant to hurt the
+controller's admin API. `hostile(rpc, state, rng, step)` makes structurally valid requests meant to hurt the
 run: Commit far ahead, Sample of old and future steps and of another shape, Remove of the only
 environment, Register of a bogus address or over a live name, and so on.
 """
@@ -82,9 +82,8 @@ def _msg(text: str) -> types_pb2.ChatMessage:
     return types_pb2.ChatMessage(role="user", content=text)
 
 
-def hostile(rpc: Rpc, state: RunState, rng: random.Random):
-    """One structurally valid, hostile request for `rpc`, and a label for the tally."""
-    step = state.trained()
+def hostile(rpc: Rpc, state: RunState, rng: random.Random, step: int):
+    """One structurally valid, hostile request for `rpc`, and a label for the tally; `step`: steps trained."""
     name = rpc.short
     if name == "Commit":
         return rng.choice([
@@ -178,9 +177,10 @@ async def flood(rpc: Rpc, authed: grpc.aio.Channel, bare: grpc.aio.Channel, stat
     """`each` random and `each` hostile calls to `rpc`, half of each without the run token."""
     rng = random.Random(seed)
     jobs = []
+    step = state.trained()  # once: read per job, the growing metrics file made building the jobs outlast short runs
     for i in range(each):
         jobs.append(("random", "garbage", garbage(rng), i % 2 == 0))
-        label, request = hostile(rpc, state, rng)
+        label, request = hostile(rpc, state, rng, step)
         jobs.append(("hostile", label, request, i % 2 == 0))
     rng.shuffle(jobs)
     queue: asyncio.Queue = asyncio.Queue()
