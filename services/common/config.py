@@ -99,8 +99,8 @@ class GRPOConfig(Section):
     max_num_epochs: int = Field(1, gt=0)
     """Passes over data.train; the run ends at whichever of this and max_num_steps comes first."""
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
-    val_period: int = Field(0, ge=0)
-    """Validate after every val_period-th step; 0 disables periodic validation."""
+    val_period: int = Field(0, ge=-1)
+    """Validate after every val_period-th step; 0 (or -1, as NeMo RL's grpo_smoke writes it) disables it."""
     val_start_at: int = -1
     """First step eligible for periodic validation; -1: no delay."""
     val_at_start: bool = False

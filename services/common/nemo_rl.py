@@ -159,7 +159,8 @@ RULES: tuple[Rule, ...] = (
     Rule("logger.swanlab", _when("logger.swanlab_enabled", False), "SwanLab is not wired"),
     Rule("logger.wandb.log_nemo_gym_full_result_tables", _is(False), "NeMo-Gym tables are not built"),
     Rule("cluster", _any, PLACEMENT),
-    Rule("data_plane", _off, "the TransferQueue data plane is not built; replay is the data plane"),
+    Rule("data_plane", _any, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
+         "Flywheel's replay (Redis) and gRPC do that job whatever it says"),
     Rule("on_policy_distillation", _is(None), "on-policy distillation is not built"),
 )
 

@@ -88,3 +88,10 @@ def test_a_dapo_recipes_reward_scaling_and_batch_multiplier_are_taken():
                                                       "grpo.reward_scaling.enabled=true",
                                                       "grpo.reward_scaling.target_min=-1.0"])
     assert cfg.grpo.reward_scaling.enabled and cfg.grpo.reward_scaling.target_min == -1.0
+
+
+def test_a_transfer_queue_recipe_and_smoke_s_negative_val_period_load():
+    """As NeMo RL's *-tq_simple recipes and grpo_smoke.yaml set them."""
+    cfg, notes = load(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "++data_plane={enabled: true, impl: transfer_queue}",
+                                                      "grpo.val_period=-1"])
+    assert cfg.grpo.val_period == -1 and any(key == "data_plane" for key, _ in notes)
