@@ -272,10 +272,8 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
             try:
                 report = await asyncio.wait_for(reports.get(), 1.0)
             except asyncio.TimeoutError:
-                if children.procs["trainer"].poll() == 0:  # done before the last step: checkpoint_must_save_by
-                    print(f"the trainer saved and stopped before its last step (checkpointing."
-                          f"checkpoint_must_save_by); `flywheel up --resume --run-dir {cfg.run.run_dir}` goes on",
-                          flush=True)
+                if children.procs["trainer"].poll() == 0:  # it exited without a final report
+                    print(_early_exit(cfg), flush=True)
                     return 0
                 continue
             print(_progress_line(cfg, report, time.monotonic() - started), flush=True)
@@ -284,6 +282,15 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
                 return 0
     finally:
         await bus.close()
+
+
+def _early_exit(cfg: FlywheelConfig) -> str:
+    """Why the trainer ended without reporting a final step: a resumed run that was already complete, or
+    checkpointing.checkpoint_must_save_by."""
+    if len(read_metrics(cfg.run.run_dir)) >= cfg.grpo.max_num_steps:
+        return f"the run in {cfg.run.run_dir} was already complete: the trainer had nothing left to train"
+    return (f"the trainer saved and stopped before its last step (checkpointing.checkpoint_must_save_by); "
+            f"`flywheel up --resume --run-dir {cfg.run.run_dir}` goes on")
 
 
 async def _final_validation(cfg: FlywheelConfig, version: int, children: Children, timeout_s: float = 900) -> None:

@@ -38,3 +38,16 @@ def test_a_run_saves_and_stops_at_its_time_limit_and_resumes_from_there(tmp_path
     assert (run_dir / "checkpoints" / f"step_{len(rows)}").exists()
     steps = [json.loads(line)["step"] for line in (run_dir / "batches.jsonl").read_text().splitlines()]
     assert steps == list(range(len(rows)))  # no step lost or trained twice across the stop
+
+
+@pytest.mark.slow
+def test_resuming_a_complete_run_says_so_and_exits_0(tmp_path):
+    """The trainer has nothing left after its final checkpoint: `flywheel up --resume` ends at once (it used to
+    wait for a final step report that would never come)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir), "grpo.max_num_steps=3"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "was already complete" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    assert len(read_metrics(run_dir)) == 3
