@@ -128,7 +128,7 @@ class Trainer:
             while not self.members() and not stop.is_set():
                 await asyncio.sleep(0.1)  # nothing to push the first weights to yet
             await self._sync(start)
-            t_prev = time.perf_counter()
+            t_prev = looping = time.perf_counter()
             for step in range(start, self.cfg.grpo.max_num_steps):
                 if stop.is_set():
                     return
@@ -138,7 +138,7 @@ class Trainer:
                 report, groups = done
                 report["timing/train/total_step_time"] = time.perf_counter() - t_prev
                 t_prev = time.perf_counter()
-                late = out_of_time(limit_s, time.monotonic() - started, step + 1 - start)
+                late = out_of_time(limit_s, time.monotonic() - started, (t_prev - looping) / (step + 1 - start))
                 await self._finish_step(step, report, groups, save=late)
                 if late:
                     log.warning("checkpointing.checkpoint_must_save_by (%s) is near: stopping after step %d (%s); "
@@ -273,10 +273,10 @@ class Trainer:
         log.warning("replay did not accept Commit(%d); its batches stay stored", step)
 
 
-def out_of_time(limit_s: float | None, elapsed_s: float, steps_done: int) -> bool:
+def out_of_time(limit_s: float | None, elapsed_s: float, mean_step_s: float) -> bool:
     """checkpointing.checkpoint_must_save_by as NeMo RL's TimeoutChecker(fit_last_save_time=True) reads it: stop
-    after this step if one more of the mean length would end past the limit (None: no limit)."""
-    return limit_s is not None and steps_done > 0 and elapsed_s + elapsed_s / steps_done >= limit_s
+    after this step if one more step of the mean length would end past the limit (None: no limit)."""
+    return limit_s is not None and elapsed_s + mean_step_s >= limit_s
 
 
 def group_timeline(groups, synced_at_ns: int, sample_returned_ns: int) -> dict[str, float]:

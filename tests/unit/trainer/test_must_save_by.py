@@ -29,7 +29,7 @@ def test_yaml_reads_an_unquoted_duration_from_ten_days_as_a_number_and_the_confi
 
 
 def test_the_trainer_stops_once_one_more_mean_step_would_pass_the_limit():
-    assert not out_of_time(None, 10**9, 1)
-    assert not out_of_time(100.0, 60.0, 3)  # mean 20 s: the next step ends at 80 s
-    assert out_of_time(100.0, 80.0, 4)  # the next one would end at 100 s
-    assert out_of_time(100.0, 101.0, 1000)
+    assert not out_of_time(None, 10**9, 1.0)
+    assert not out_of_time(100.0, 60.0, 20.0)  # the next step ends at 80 s
+    assert out_of_time(100.0, 80.0, 20.0)  # the next one would end at 100 s
+    assert out_of_time(100.0, 101.0, 0.1)
