@@ -24,12 +24,12 @@ from services.common.errors import (AlreadyExists, FailedPrecondition, InvalidAr
                                     require)
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import channel
+from services.common.work import check_episodes, check_sampling
 from services.controller.data import DataError, load_rows
 from services.controller.datasets import Cursor, EpochCursor
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
 ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-MAX_TURNS = 1000
 CHUNK = 256
 """Generated prompts fetched from the environment service per call."""
 
@@ -194,15 +194,7 @@ def validate(spec: controller_pb2.EnvironmentSpec) -> None:
     require(not (spec.rows and spec.jsonl_path), f"{n}: set at most one of rows or jsonl_path")
     for i, row in enumerate(spec.rows):
         require(len(row.messages) > 0, f"{n}: rows[{i}] has no messages")
-    require(0 <= spec.max_turns <= MAX_TURNS, f"{n}: max_turns must be in 0..{MAX_TURNS}, got {spec.max_turns}")
-    require(math.isfinite(spec.reward_scale) and spec.reward_scale >= 0,
-            f"{n}: reward_scale must be >= 0, got {spec.reward_scale}")
+    check_episodes(spec.max_turns, spec.reward_scale, f"{n}: ")
     require(math.isfinite(spec.timeout_seconds) and spec.timeout_seconds >= 0,
             f"{n}: timeout_seconds must be >= 0, got {spec.timeout_seconds}")
-    s = spec.sampling
-    require(s.max_new_tokens >= 0, f"{n}: sampling.max_new_tokens must be >= 0, got {s.max_new_tokens}")
-    require(math.isfinite(s.temperature) and s.temperature >= 0,
-            f"{n}: sampling.temperature must be >= 0, got {s.temperature}")
-    require(0 <= s.top_p <= 1, f"{n}: sampling.top_p must be in [0, 1], got {s.top_p}")
-    require(s.top_k >= 0, f"{n}: sampling.top_k must be >= 0, got {s.top_k}")
-    require(all(s.stop_strings), f"{n}: sampling.stop_strings must not contain an empty string")
+    check_sampling(spec.sampling, f"{n}: sampling")

@@ -39,6 +39,11 @@ def test_a_good_spec_passes():
     ({"timeout_seconds": -1}, r"calc: timeout_seconds must be >= 0"),
     ({"sampling": types_pb2.SamplingParams(max_new_tokens=-1)}, r"sampling.max_new_tokens must be >= 0"),
     ({"sampling": types_pb2.SamplingParams(top_p=1.5)}, r"sampling.top_p must be in \[0, 1\]"),
+    # Rollout cannot sample below 1e-5: the logits over the temperature overflow (seen under fuzzing with a
+    # denormal 1e-40: every group of that environment failed in generate and came back for ever).
+    ({"sampling": types_pb2.SamplingParams(temperature=1e-40)}, r"calc: sampling.temperature must be 0 .* \[1e-05"),
+    ({"sampling": types_pb2.SamplingParams(temperature=1e-7)}, r"calc: sampling.temperature must be 0 .* \[1e-05"),
+    ({"reward_scale": float("nan")}, r"calc: reward_scale must be >= 0"),
     ({"sampling": types_pb2.SamplingParams(stop_strings=[""])}, r"stop_strings must not contain an empty"),
 ])
 def test_a_bad_field_is_invalid_argument_naming_it(fields, message):
