@@ -9,8 +9,9 @@ Version 0 (the initial weights, or the checkpoint's) is pushed before the first 
 rollout never samples from weights the trainer does not have. Sync membership is the set
 of rollout workers whose heartbeat is recent; a worker that misses a sync is dropped and
 joins the next. A worker that joins (or restarts) while the trainer waits for a batch gets
-the current version at once, since that batch may need its groups. Only rank 0 talks to the
-network; the other ranks follow it (distributed.py).
+the current version at once, since that batch may need its groups. With k >= 1, Sample(s + 1)
+is sent as soon as step s has its batch, so it overlaps step s's training. Only rank 0 talks to
+the network; the other ranks follow it (distributed.py).
 
 Delivery and restarts: replay records the batch of each step, so a trainer that restarts
 from its latest checkpoint (step_N) runs step N again on the very same batch. The report
@@ -97,6 +98,8 @@ class Trainer:
         """Wall clock (unix ns) when the last sync ended: where a k = 0 step's lease delay starts."""
         self.sync_phases: dict[str, float] = {}
         self.sample_returned_ns = 0
+        self.early: tuple[int, asyncio.Task] | None = None
+        """(step, its Sample call) asked for while the step before it trains (k >= 1)."""
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
         self.batches_path = Path(cfg.run.run_dir or ".") / "batches.jsonl"
         """One row per step: the groups it trained on (id, target step, version_start); the run's audit trail."""
@@ -147,6 +150,8 @@ class Trainer:
                                 "checkpoint saved" if self.cfg.checkpointing.enabled else "checkpointing is disabled")
                     return
         finally:
+            if self.early is not None:
+                self.early[1].cancel()
             await sub.unsubscribe()
 
     async def _resume(self) -> int:
@@ -160,12 +165,38 @@ class Trainer:
             _drop_rows_from(path, start)
         return start
 
-    async def _sample(self, step: int, stop: asyncio.Event) -> tuple[replay_pb2.SampleResponse, float, float]:
-        """The step's batch, the seconds polled before the call that got it, and that call's seconds."""
+    def _sample_request(self, step: int) -> replay_pb2.SampleRequest:
         g = self.cfg.grpo
-        request = replay_pb2.SampleRequest(step=step, prompts_per_step=g.num_prompts_per_step,
-                                           max_staleness=g.max_staleness)
+        return replay_pb2.SampleRequest(step=step, prompts_per_step=g.num_prompts_per_step,
+                                        max_staleness=g.max_staleness)
+
+    def _ask_early(self, step: int) -> None:
+        """With k >= 1, step `step`'s batch may be complete while the step before it trains: ask for it now, once,
+        so that the call (replay's Redis read and its reply) overlaps training. In a synchronous run that batch
+        needs the weights the current step makes, so the step asks when it comes."""
+        if self.cfg.grpo.max_staleness >= 1 and step < self.cfg.grpo.max_num_steps:
+            self.early = (step, asyncio.create_task(self._sample_once(self._sample_request(step))))
+
+    async def _sample_once(self, request: replay_pb2.SampleRequest) -> replay_pb2.SampleResponse | None:
+        try:
+            response = await self.replay.Sample(request, timeout=30)
+        except grpc.aio.AioRpcError as err:  # the step's own loop asks again, with retries
+            RPC_ERRORS.labels("replay.Sample", err.code().name).inc()
+            return None
+        if response.ready:
+            self.sample_returned_ns = time.time_ns()
+        return response
+
+    async def _sample(self, step: int, stop: asyncio.Event) -> tuple[replay_pb2.SampleResponse, float, float]:
+        """The step's batch, the seconds polled before the call that got it, and that call's seconds (for a
+        batch asked for early: the seconds this step still waited for it)."""
+        request = self._sample_request(step)
         t0 = time.perf_counter()
+        early, self.early = self.early, None
+        if early is not None and early[0] == step:
+            response = await early[1]
+            if response is not None and response.ready:
+                return response, 0.0, time.perf_counter() - t0
         while not stop.is_set():
             t_call = time.perf_counter()
             response = await retrying(self.replay.Sample, request, rpc="replay.Sample", stop=stop, timeout=30)
@@ -188,6 +219,7 @@ class Trainer:
             return None
         span = start_step_span(step, response.groups)  # linked to the trace of every group it trains on
         timeline = group_timeline(response.groups, self.synced_at_ns, self.sample_returned_ns)
+        self._ask_early(step + 1)
         t0 = time.perf_counter()
         batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
                             overlong_filtering=self.cfg.grpo.overlong_filtering)
