@@ -68,6 +68,18 @@ class RewardScalingConfig(Section):
         return self
 
 
+class AdvantageEstimatorConfig(Section):
+    """NeMo RL `grpo.adv_estimator`: which advantage estimator the trainer runs (services/trainer/algorithms/advantages.py).
+
+    grpo: the group baseline, divided by the group std (grpo.normalize_rewards, grpo.use_leave_one_out_baseline).
+    reinforce_plus_plus: Reinforce++ as ProRL v2 uses it: the group mean (minus_baseline), then one whitening over
+    the step's loss tokens; it reads neither normalize_rewards nor use_leave_one_out_baseline."""
+
+    name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    minus_baseline: bool = True
+    """Reinforce++ only: subtract the group's mean reward before whitening."""
+
+
 class AsyncGRPOConfig(Section):
     """NeMo RL `grpo.async_grpo`. Disabled is synchronous on-policy GRPO (k = 0), as in NeMo RL."""
 
@@ -120,6 +132,7 @@ class GRPOConfig(Section):
     """Divide advantages by the group's reward std (where std > 0)."""
     use_leave_one_out_baseline: bool = True
     """RLOO baseline: the mean of the other samples of the group."""
+    adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
     advantage_clip_low: float | None = None
     """Clamp advantages below this value after normalization; null disables."""
     advantage_clip_high: float | None = None

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from services.common.config import GRPOConfig
 from services.common.rewards import scale_reward
-from services.trainer.algorithms import compute_advantages, overlong_reward_penalty
+from services.trainer.algorithms import compute_advantages, overlong_reward_penalty, reinforce_plus_plus_advantages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,11 +85,12 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> Tra
 
 
 def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
-    """GRPO advantages of a step's batch, as NeMo RL computes them.
+    """Advantages of a step's batch by grpo.adv_estimator, as NeMo RL computes them.
 
-    Every generated sample counts for its group's baseline and std, truncated ones included
-    (NeMo RL's GRPOAdvantageEstimator passes valid_mask = ones). Overlong filtering acts only
-    on the loss, through `sample_mask`, so it never changes the advantages of the samples kept.
+    Every generated sample counts for its group's baseline (and GRPO's std), truncated ones included
+    (NeMo RL's estimators take valid_mask = ones). Overlong filtering acts on the loss, through
+    `sample_mask`; under GRPO it never changes the advantages of the samples kept. Reinforce++
+    whitens over the loss tokens (token_mask * sample_mask), so there it does, as in NeMo RL.
     """
     rewards = b.rewards
     if g.reward_scaling.enabled:  # before shaping, as NeMo RL
@@ -99,6 +100,11 @@ def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, fl
         rewards = torch.where(b.truncated, rewards * shaping.stop_properly_penalty_coef, rewards)
     elif shaping.enabled:  # DAPO overlong penalty on the generated length
         rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), shaping)
+    if g.adv_estimator.name == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(
+            rewards, b.prompt_ids, b.token_mask.sum(dim=1) * b.sample_mask,
+            minus_baseline=g.adv_estimator.minus_baseline,
+            advantage_clip_low=g.advantage_clip_low, advantage_clip_high=g.advantage_clip_high)
     return compute_advantages(
         rewards, b.prompt_ids, torch.ones_like(rewards, dtype=torch.bool),
         use_leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards,

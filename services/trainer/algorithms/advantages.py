@@ -1,4 +1,4 @@
-"""GRPO advantages: a per-group baseline, optionally divided by the group's reward std.
+"""Advantages: GRPO's per-group baseline and std, and Reinforce++'s batch whitening.
 
 This owns NeMo RL's `GRPOAdvantageEstimator` and `calculate_baseline_and_std_per_prompt`
 semantics (reference/nemo_rl.md §4.2), keyed by prompt id instead of prompt token rows.
@@ -14,6 +14,10 @@ samples (mean baseline) or the group's valid samples other than i (leave-one-out
 A group with at most one valid sample gives all its samples 0, and invalid samples get 0.
 A constant set has baseline equal to its value and std exactly 0, so binary rewards
 never divide a real difference by a rounding-error std.
+
+Reinforce++ (NeMo RL's `ReinforcePlusPlusAdvantageEstimator`, used by ProRL v2) keeps the
+group mean but replaces the group std by one whitening over the whole step's loss tokens;
+see `reinforce_plus_plus_advantages`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from torch import Tensor
 
 STD_EPSILON = 1e-6
 """Added to the std before dividing, as NeMo RL does."""
+WHITENING_VAR_FLOOR = 1e-8
+"""Reinforce++ divides by sqrt(max(var, this)), as NeMo RL does."""
 
 
 def group_layout(prompt_ids: Sequence[str]) -> tuple[Tensor, Tensor, int, int]:
@@ -104,6 +110,54 @@ def compute_advantages(
     advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
     out = advantages[group, slot]
     return out, _metrics(out[valid], padded, is_valid)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: Tensor,
+    prompt_ids: Sequence[str],
+    loss_tokens: Tensor,
+    *,
+    minus_baseline: bool,
+    advantage_clip_low: float | None = None,
+    advantage_clip_high: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-sample Reinforce++ advantages.
+
+    rewards: [B] float; prompt_ids: B ids, equal ids form a group.
+    loss_tokens: [B], the number of tokens sample i trains on (0 for a sample out of the loss).
+
+        A_i = r_i - mean of r over i's group (every sample of it)   if minus_baseline, else r_i
+        mu  = sum_i n_i A_i / sum_i n_i,  var = sum_i n_i (A_i - mu)^2 / sum_i n_i
+        A_i = (A_i - mu) / sqrt(max(var, WHITENING_VAR_FLOOR)), then clamped as GRPO's
+
+    NeMo RL gives every loss token of a sample its advantage and whitens over the loss tokens,
+    so a sample weighs once per token it trains on (n_i). A batch with no loss token gets zeros.
+    Returns advantages [B] (rewards' dtype) and the same metrics as `compute_advantages`.
+    """
+    if rewards.dim() != 1 or len(prompt_ids) != rewards.shape[0] or loss_tokens.shape != rewards.shape:
+        raise ValueError("rewards, prompt_ids and loss_tokens must all have length B")
+    group, slot, num_groups, size = group_layout(prompt_ids)
+    group, slot = group.to(rewards.device), slot.to(rewards.device)
+    advantages = rewards
+    if minus_baseline:
+        sums = rewards.new_zeros(num_groups).index_add_(0, group, rewards)
+        counts = rewards.new_zeros(num_groups).index_add_(0, group, torch.ones_like(rewards))
+        advantages = rewards - (sums / counts)[group]
+    weight = loss_tokens.to(rewards.dtype)
+    total = weight.sum()
+    if total > 0:
+        mean = (weight * advantages).sum() / total
+        var = (weight * (advantages - mean).square()).sum() / total
+        advantages = (advantages - mean) * var.clamp(min=WHITENING_VAR_FLOOR).rsqrt()
+    else:
+        advantages = torch.zeros_like(rewards)
+    if advantage_clip_low is not None or advantage_clip_high is not None:
+        advantages = advantages.clamp(min=advantage_clip_low, max=advantage_clip_high)
+    padded = rewards.new_zeros(num_groups, size)
+    padded[group, slot] = rewards
+    is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=rewards.device)
+    is_valid[group, slot] = True
+    return advantages, _metrics(advantages, padded, is_valid)
 
 
 def _metrics(advantages: Tensor, padded: Tensor, is_valid: Tensor) -> dict[str, float]:

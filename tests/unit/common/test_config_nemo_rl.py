@@ -51,13 +51,14 @@ def test_the_8b_config_inherits_the_1b_through_defaults():
 def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
     _, notes = load(CONFIGS / "grpo_math_1B.yaml", EDITS)
     keys = {key for key, _ in notes}
-    assert {"cluster", "grpo.adv_estimator", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
+    assert {"cluster", "grpo.adv_estimator.normalize_rewards", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
     assert all(why.startswith("accepted, no effect: ") for _, why in notes)
 
 
 @pytest.mark.parametrize("override, key", [
     ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
-    ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator"),
+    ("grpo.adv_estimator.use_leave_one_out_baseline=false", "grpo.adv_estimator.use_leave_one_out_baseline"),
+    ("grpo.adv_estimator.reward_weights=[1.0,2.0]", "grpo.adv_estimator.reward_weights"),
     ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
@@ -95,3 +96,23 @@ def test_a_transfer_queue_recipe_and_smoke_s_negative_val_period_load():
     cfg, notes = load(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "++data_plane={enabled: true, impl: transfer_queue}",
                                                       "grpo.val_period=-1"])
     assert cfg.grpo.val_period == -1 and any(key == "data_plane" for key, _ in notes)
+
+
+def test_prorl_v2_loads_with_reinforce_plus_plus_and_its_dapo_parts():
+    """NeMo RL's prorlv2.v2.yaml (on grpo_math_1B) with the same one edit: Reinforce++, dynamic sampling with
+    over-generation, the stop-properly penalty, ICE-POP and decoupled clipping all taken as written."""
+    cfg, notes = load(CONFIGS / "prorlv2.v2.yaml", EDITS)
+    g, loss = cfg.grpo, cfg.loss_fn
+    assert (g.adv_estimator.name, g.adv_estimator.minus_baseline) == ("reinforce_plus_plus", True)
+    assert g.use_dynamic_sampling and g.reward_shaping.stop_properly_penalty_coef == 0.0
+    assert (loss.truncated_importance_sampling_type, loss.ratio_clip_max, loss.reference_policy_kl_type) == (
+        "icepop", 0.27, "k2")
+    # adv_estimator.use_leave_one_out_baseline: false differs from grpo's true, and Reinforce++ reads neither
+    assert g.use_leave_one_out_baseline and ("grpo.adv_estimator.use_leave_one_out_baseline", "accepted, no effect: "
+                                             "the GRPO estimator reads grpo.use_leave_one_out_baseline, which NeMo RL "
+                                             "copies here; Reinforce++ reads neither") in notes
+
+
+def test_an_estimator_flywheel_lacks_is_named():
+    with pytest.raises(ConfigError, match=r"grpo.adv_estimator.name: .*'grpo' or 'reinforce_plus_plus'.*gdpo"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.adv_estimator.name=gdpo"])
