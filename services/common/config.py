@@ -382,6 +382,9 @@ class PolicyConfig(Section):
     """Micro-batches of as many padded samples as fit the token budget."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    cpu_offload: bool = False
+    """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
+    (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
     megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
 
@@ -394,6 +397,12 @@ class PolicyConfig(Section):
         wanted = len(steps) - 1 if len(steps) > 1 else 0
         if len(marks[0].milestones if marks else []) != wanted:
             raise ValueError(f"scheduler: {len(steps)} schedulers need {wanted} milestones")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_is_fsdp2s(self) -> PolicyConfig:
+        if self.cpu_offload and self.megatron_cfg.enabled:
+            raise ValueError("cpu_offload is the FSDP2 backend's (CPUOffloadPolicy); Megatron-Core does not take it")
         return self
 
     @model_validator(mode="after")

@@ -73,6 +73,9 @@ class DatasetConfig(Section):
     """NeMo RL's math processor: prompt_file and system_prompt_file applied, answer as ground_truth."""
     env_name: str | None = None
     """The environment that scores this dataset (a built-in kind, e.g. math)."""
+    repeat: int = Field(1, gt=0)
+    """The rows, this many times over (NeMo RL's AIME datasets): AIME's 30 problems repeated 16 times give a
+    validation accuracy averaged over 16 samples of each."""
 
     @model_validator(mode="after")
     def _known_source(self) -> DatasetConfig:

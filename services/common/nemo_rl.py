@@ -71,11 +71,15 @@ def _grpo_reads(key: str) -> Callable[[Any, dict], bool]:
     return lambda v, tree: get(tree, "grpo.adv_estimator.name", "grpo") != "grpo" or v == get(tree, f"grpo.{key}")
 
 
+AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
+"""Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
+
+
 def _dtensor(v: Any, _: dict) -> bool:
     v = v if isinstance(v, dict) else {}
     return (v.get("enabled", True) and v.get("tensor_parallel_size", 1) == 1 and v.get("context_parallel_size", 1) == 1
-            and not v.get("sequence_parallel") and not v.get("cpu_offload") and v.get("custom_parallel_plan") is None
-            and not (v.get("lora_cfg") or {}).get("enabled") and not v.get("automodel_kwargs"))
+            and v.get("custom_parallel_plan") is None and not (v.get("lora_cfg") or {}).get("enabled")
+            and all(AUTOMODEL_AS_FLYWHEEL.get(k, _MISSING) == x for k, x in (v.get("automodel_kwargs") or {}).items()))
 
 
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
@@ -106,7 +110,8 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
     Rule("policy.logprob_chunk_size", _is(None), "chunked logprobs are not built"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) with TP = CP = 1, no CPU offload, no LoRA"),
+    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model with TP = CP = 1 "
+         "(sequence_parallel acts only with TP > 1), no LoRA, no Automodel kwargs but force_hf: true"),
     Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
          "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
     Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
@@ -165,7 +170,8 @@ RULES: tuple[Rule, ...] = (
     Rule("on_policy_distillation", _is(None), "on-policy distillation is not built"),
 )
 
-MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing"}
+MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
+         "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload"}
 """NeMo RL key -> the Flywheel key with the same meaning."""
 
 

@@ -116,9 +116,12 @@ def _rows(key: str, ds: DatasetConfig) -> list[types_pb2.DatasetRow]:
     if not path:
         raise DataError(f"{key}.data_path: not set (a .jsonl/.json/.parquet file, a saved dataset, or a hub id)")
     if named is None:
-        return _convert(key, path, templates, ds.input_key, ds.output_key, subset=ds.subset, split=ds.split)
-    return _convert(key, path, templates, ds.input_key or named.input_key, ds.output_key or named.output_key,
-                    subset=ds.subset or named.subset, split=ds.split or named.split, answer_after=named.answer_after)
+        rows = _convert(key, path, templates, ds.input_key, ds.output_key, subset=ds.subset, split=ds.split)
+    else:
+        rows = _convert(key, path, templates, ds.input_key or named.input_key, ds.output_key or named.output_key,
+                        subset=ds.subset or named.subset, split=ds.split or named.split,
+                        answer_after=named.answer_after)
+    return rows * ds.repeat
 
 
 def load_rows(path: str) -> list[types_pb2.DatasetRow]:

@@ -52,7 +52,7 @@ class FSDP2Backend(TrainingBackend):
         model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
         if cfg.policy.activation_checkpointing:  # per decoder layer, non-reentrant: composes with FSDP2
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = self._shard(model, offload=False)
+        self.model = self._shard(model, offload=cfg.policy.cpu_offload)
         self.reference = None
         if cfg.loss_fn.reference_policy_kl_penalty > 0:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
@@ -62,8 +62,10 @@ class FSDP2Backend(TrainingBackend):
         self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
-        """fully_shard each decoder layer, then the root. `offload` keeps the shards in host memory
-        between uses (the reference policy on GPU): FSDP copies them in for each forward only.
+        """fully_shard each decoder layer (`decoder_layers`), then the root. `offload` keeps the shards in host memory
+        between uses (the reference policy on GPU, and the policy with policy.cpu_offload): FSDP copies
+        them in for each forward and backward, gradients come back to the host and the optimizer steps
+        there. Pinned on GPU for faster copies; on CPU there is no device memory to pin against.
 
         One CPU rank is left a plain module: there is nothing to shard, no mixed precision and no
         offload, and DTensor dispatch on every op cost ~30% of a training step's CPU here (torchtitan
@@ -74,8 +76,8 @@ class FSDP2Backend(TrainingBackend):
             if self.device.type == "cuda" else MixedPrecisionPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp)
         if offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for layer in model.model.layers:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         return fully_shard(model, **kwargs)
 
@@ -174,6 +176,17 @@ class FSDP2Backend(TrainingBackend):
         model.config.save_pretrained(directory)
         model.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one: those of the classes the model's `_no_split_modules` names (its
+    decoder layers: Qwen2DecoderLayer, LlamaDecoderLayer, NemotronHBlock, ...), wherever the model keeps them."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+                         "FSDP2 shards a model one decoder layer at a time")
+    return layers
 
 
 def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:

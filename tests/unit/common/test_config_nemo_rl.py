@@ -116,3 +116,28 @@ def test_prorl_v2_loads_with_reinforce_plus_plus_and_its_dapo_parts():
 def test_an_estimator_flywheel_lacks_is_named():
     with pytest.raises(ConfigError, match=r"grpo.adv_estimator.name: .*'grpo' or 'reinforce_plus_plus'.*gdpo"):
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.adv_estimator.name=gdpo"])
+
+
+def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
+    """As NeMo RL's grpo-gspo-deepscaler-1.5b-8K and grpo-nano-v2-12b recipes write them: cpu_offload becomes FSDP2's
+    CPUOffloadPolicy, sequence_parallel does nothing at TP = 1 (NeMo RL applies it only inside a TP plan), and
+    force_hf asks for the Hugging Face model class the trainer always uses."""
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [
+        *EDITS, "policy.dtensor_cfg.cpu_offload=true", "policy.dtensor_cfg.sequence_parallel=true",
+        "policy.dtensor_cfg.activation_checkpointing=true", "++policy.dtensor_cfg.automodel_kwargs={force_hf: true}",
+        "++data.validation={dataset_name: AIME2024, repeat: 16}"])
+    assert cfg.policy.cpu_offload and cfg.policy.activation_checkpointing
+    assert cfg.data.validation.repeat == 16
+
+
+@pytest.mark.parametrize("override", ["policy.dtensor_cfg.tensor_parallel_size=2",
+                                      "++policy.dtensor_cfg.automodel_kwargs={force_hf: false}",
+                                      "++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"])
+def test_dtensor_settings_the_trainer_lacks_are_still_refused(override):
+    with pytest.raises(ConfigError, match="policy.dtensor_cfg: Flywheel cannot honour"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, override])
+
+
+def test_cpu_offload_is_refused_with_megatron():
+    with pytest.raises(ConfigError, match="cpu_offload is the FSDP2 backend's"):
+        load_config(None, ["policy.cpu_offload=true", "policy.megatron_cfg.enabled=true"])

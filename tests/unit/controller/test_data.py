@@ -183,3 +183,13 @@ def test_gsm8k_without_its_answer_marker_is_a_row_error(tmp_path):
     train = _jsonl(tmp_path / "train.jsonl", [{"question": "q", "answer": "7"}])
     with pytest.raises(DataError, match=f"{train}:1: the answer holds no '####'"):
         load_data(_cfg(tmp_path, train, "data.train.dataset_name=gsm8k"))
+
+
+def test_repeat_gives_the_rows_that_many_times_over_as_nemo_rls_aime_validation(tmp_path):
+    """As NeMo RL's deepscaler recipes write it: validation {dataset_name: AIME2024, repeat: 16}."""
+    train = _jsonl(tmp_path / "train.jsonl", [{"problem": "t", "expected_answer": "1"}])
+    aime = _jsonl(tmp_path / "aime.jsonl", [{"problem": f"p{i}", "answer": i} for i in range(2)])
+    data = load_data(_cfg(tmp_path, train, "+data.validation={dataset_name: AIME2024, repeat: 3}",
+                          f"data.validation.data_path={aime}"))
+    assert [r.messages[0].content for r in data.validation[0].rows] == ["p0", "p1"] * 3
+    assert len(data.train[0].rows) == 1

@@ -7,6 +7,7 @@ the test also covers the empty micro-batches that keep FSDP's collectives in loc
 
 import pytest
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 from trainer_harness import config, run_ranks, step_batch
 
 from services.trainer.backends.fsdp2 import FSDP2Backend
@@ -23,15 +24,23 @@ def _train_once(rank: int, out: str, overrides: list[str]) -> None:
     metrics = backend.train_step(batch, advantages)
     state = backend.full_state_dict()
     if rank == 0:
-        torch.save({"state": state, "metrics": metrics}, out)
+        torch.save({"state": state, "metrics": metrics, "offloaded": _offloaded(backend.model)}, out)
 
 
-@pytest.mark.parametrize("extra", [[], ["policy.activation_checkpointing=true"]], ids=["plain", "act_ckpt"])
+def _offloaded(model: torch.nn.Module) -> bool | None:
+    """Whether FSDP2 holds the root's shards under CPUOffloadPolicy; None for one CPU rank's plain module."""
+    state = getattr(model, "_get_fsdp_state", None)
+    return None if state is None else isinstance(state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+
+
+@pytest.mark.parametrize("extra", [[], ["policy.activation_checkpointing=true"], ["policy.cpu_offload=true"]],
+                         ids=["plain", "act_ckpt", "cpu_offload"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run_ranks(1, _train_once, one, OVERRIDES + extra)
     run_ranks(2, _train_once, two, OVERRIDES + extra)
     a, b = torch.load(one), torch.load(two)
+    assert (a["offloaded"], b["offloaded"]) == (None, "policy.cpu_offload=true" in extra)
     for name, value in a["state"].items():
         torch.testing.assert_close(b["state"][name], value, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
     for name in ("loss", "probs_ratio_min", "probs_ratio_max", "grad_norm", "lr", "kl_penalty"):
