@@ -371,6 +371,9 @@ class PolicyConfig(Section):
     """Samples per optimizer step; a step's batch of B samples takes B / this optimizer steps. Null: all B."""
     logprob_batch_size: int | None = Field(None, gt=0)
     """Samples per forward when recomputing prev/reference logprobs; null = train_micro_batch_size."""
+    logprob_chunk_size: int | None = Field(None, gt=0)
+    """Positions per chunk of the float32 log-softmax over the vocabulary, in forward and backward (peak memory
+    one chunk's [rows, chunk, vocab] instead of the whole sequence's); null: the whole sequence. FSDP2 only."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     tokenizer: TokenizerConfig = TokenizerConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -400,9 +403,12 @@ class PolicyConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _offload_is_fsdp2s(self) -> PolicyConfig:
-        if self.cpu_offload and self.megatron_cfg.enabled:
+    def _fsdp2_only(self) -> PolicyConfig:
+        if self.megatron_cfg.enabled and self.cpu_offload:
             raise ValueError("cpu_offload is the FSDP2 backend's (CPUOffloadPolicy); Megatron-Core does not take it")
+        if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
+            raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
+                             "entropy does not take it")
         return self
 
     @model_validator(mode="after")

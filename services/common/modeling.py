@@ -125,11 +125,50 @@ def load_policy(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"
     return model.to(device).eval(), tokenizer
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logprob of each token under softmax(logits / T). logits [B,T,V], tokens [B,T] -> [B,T].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   chunk: int | None = None) -> torch.Tensor:
+    """logprob of each token under softmax(logits / T). logits [B,T,V], tokens [B,T] -> [B,T] float32.
 
     Rollout and trainer both score with this one function, so the engine/trainer
-    mismatch metrics measure numerics, not two definitions.
+    mismatch metrics measure numerics, not two definitions. `chunk` positions at a time
+    (policy.logprob_chunk_size; None: all at once), in float32 whatever the logits' dtype.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return _TokenLogprobs.apply(logits, tokens, temperature, chunk or max(tokens.shape[1], 1))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / T) gathered at `tokens`, one chunk of positions at a time.
+
+    The plain `log_softmax(logits.float() / T).gather(...)` holds three float32 copies of
+    [B, T, V] at its peak and keeps one for backward: 4.7 GB each for one 8k-token row of a
+    152k vocabulary. Here forward and backward each hold one chunk's float32 [B, chunk, V],
+    and backward keeps only the logits (which the model made anyway) and the [B, T]
+    log-normaliser, recomputing each chunk's softmax:
+
+        out_t            = x_t[tok_t] - logsumexp(x_t),  x_t = logits_t / T
+        d out_t / d x_t  = onehot(tok_t) - softmax(x_t)
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        out = logits.new_empty(tokens.shape, dtype=torch.float32)
+        normaliser = torch.empty_like(out)
+        for s in range(0, tokens.shape[1], chunk):
+            x = logits[:, s:s + chunk].float() / temperature
+            normaliser[:, s:s + chunk] = torch.logsumexp(x, dim=-1)
+            out[:, s:s + chunk] = x.gather(-1, tokens[:, s:s + chunk, None]).squeeze(-1) - normaliser[:, s:s + chunk]
+        ctx.save_for_backward(logits, tokens, normaliser)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, tokens, normaliser = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for s in range(0, tokens.shape[1], ctx.chunk):
+            x = logits[:, s:s + ctx.chunk].float() / ctx.temperature
+            g = grad[:, s:s + ctx.chunk, None].float()
+            d = (x - normaliser[:, s:s + ctx.chunk, None]).exp_().mul_(-g)  # -softmax * g
+            d.scatter_add_(-1, tokens[:, s:s + ctx.chunk, None], g)  # + onehot * g
+            grad_logits[:, s:s + ctx.chunk] = d.div_(ctx.temperature)
+        return grad_logits, None, None, None

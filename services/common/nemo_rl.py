@@ -108,7 +108,6 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpointing.save_optimizer", _is(True), "the optimizer state is always saved"),
     Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
-    Rule("policy.logprob_chunk_size", _is(None), "chunked logprobs are not built"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
     Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model with TP = CP = 1 "
          "(sequence_parallel acts only with TP > 1), no LoRA, no Automodel kwargs but force_hf: true"),

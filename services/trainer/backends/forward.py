@@ -44,14 +44,16 @@ class Forward:
             return self._packed(model, ids, lengths)
         mask = b.attention_mask[rows, :width]
         logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        return token_logprobs(logits[:, :-1], ids[:, 1:].to(self.device), self.temperature)
+        return token_logprobs(logits[:, :-1], ids[:, 1:].to(self.device), self.temperature,
+                              self.cfg.logprob_chunk_size)
 
     def _packed(self, model: torch.nn.Module, ids: Tensor, lengths: Tensor) -> Tensor:
         packed = pack_rows(ids, lengths)
         d = self.device
         logits = model(input_ids=packed.input_ids.to(d), position_ids=packed.position_ids.to(d),
                        attention_mask=packed.attention_mask.to(d)).logits
-        values = token_logprobs(logits[:, :-1], packed.input_ids[:, 1:].to(d), self.temperature)
+        values = token_logprobs(logits[:, :-1], packed.input_ids[:, 1:].to(d), self.temperature,
+                                self.cfg.logprob_chunk_size)
         return unpack_values(values[0], lengths, ids.shape[1] - 1)
 
     def loss_inputs(self, data: LossInputs, rows: list[int], width: int) -> LossInputs:

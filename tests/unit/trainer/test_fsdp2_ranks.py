@@ -62,3 +62,15 @@ def test_one_step_changes_the_weights(tmp_path):
     a, b = torch.load(before), torch.load(after)["state"]
     moved = max((a[n] - b[n]).abs().max().item() for n in a)
     assert moved > 1e-3
+
+
+def test_logprob_chunks_give_the_same_step(tmp_path):
+    """policy.logprob_chunk_size bounds memory only: the step's weights and metrics are those of the whole rows."""
+    whole, chunked = str(tmp_path / "whole.pt"), str(tmp_path / "chunked.pt")
+    run_ranks(1, _train_once, whole, OVERRIDES)
+    run_ranks(1, _train_once, chunked, [*OVERRIDES, "policy.logprob_chunk_size=3"])
+    a, b = torch.load(whole), torch.load(chunked)
+    for name, value in a["state"].items():
+        torch.testing.assert_close(b["state"][name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in ("loss", "grad_norm", "kl_penalty"):
+        assert b["metrics"][name] == pytest.approx(a["metrics"][name], rel=1e-5, abs=1e-7), name
