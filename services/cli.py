@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import logging
 import sys
 
 from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
+from services.common.errors import RUN_FAILED_EXIT, RunFailed
 from services.common.logs import setup_logging
 
 SERVICES = ("controller", "rollout", "environment", "replay", "trainer")
@@ -35,7 +37,11 @@ def cmd_serve(args) -> int:
     cfg = _config(args)
     setup_logging(args.service, cfg.run.name, cfg.telemetry.log_level)
     module = importlib.import_module(f"services.{args.service}.main")  # heavy imports happen here
-    asyncio.run(module.serve(cfg))
+    try:
+        asyncio.run(module.serve(cfg))
+    except RunFailed as err:
+        logging.getLogger(f"flywheel.{args.service}").error("the run cannot go on: %s", err)
+        return RUN_FAILED_EXIT
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
+from services.common.errors import RUN_FAILED_EXIT
 from services.common.infra import Server, child_env, die_with_parent, free_port, start_nats, start_redis
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import types_pb2
@@ -58,7 +59,8 @@ class Children:
     A child that exits with a non-zero code (a crash, kill -9) is restarted with the same
     command line, ports and data directory, after a back-off that doubles with each restart
     of that child in the window. Exit code 0 means the child finished on purpose (the trainer
-    after its last step, any service after SIGTERM) and is left alone. More than
+    after its last step, any service after SIGTERM) and is left alone. RUN_FAILED_EXIT means the run cannot
+    go on (the controller's dynamic sampling ran out of batches, say): the run stops with it. More than
     `max_restarts` restarts of one child within `window_s` seconds spends the budget and the run stops,
     as `restart: on-failure` with a limit would.
     """
@@ -97,6 +99,8 @@ class Children:
             code = proc.poll()
             if code in (None, 0):
                 continue
+            if code == RUN_FAILED_EXIT:  # a restart would fail the same way
+                return f"{name} stopped the run (exit {code}); its log ends:\n{self.tail(name, 3)}"
             if name not in self._due:
                 recent = self._recent(name)
                 if len(recent) >= self.max_restarts:

@@ -18,7 +18,8 @@
 #   5. wait: success when the trainer exits 0 (last step). A component that exits otherwise (a crash,
 #      kill -9, a lost node's step) is started again with the same command, as `flywheel up` does, after
 #      a back-off that doubles (1 s .. 16 s); more than run.max_restarts restarts of one component within
-#      run.restart_window_s fail the job. On exit (or SIGTERM from --signal before the time limit) stop
+#      run.restart_window_s fail the job, and so does exit 78 (the run cannot go on, e.g. dynamic sampling
+#      ran out of batches: a restart would fail the same way). On exit (or SIGTERM from --signal before the time limit) stop
 #      the services, then Redis and NATS.
 #
 # FLYWHEEL_DRY_RUN=1 prints the srun commands (also to $RUN_DIR/launch_plan.txt) instead of running
@@ -250,6 +251,11 @@ while :; do
     if [[ "$name" == trainer && "$code" == 0 ]]; then
       echo "flywheel: trainer exited with 0"
       exit 0
+    fi
+    if [[ "$code" == 78 ]]; then  # RUN_FAILED_EXIT: the run cannot go on, and a restart would fail the same way
+      echo "flywheel: $name stopped the run (exit 78); its log ends:" >&2
+      tail -n 5 "$RUN_DIR/logs/$name.log" >&2 || true
+      exit 1
     fi
     restart "$name" "$code" || exit 1
   done

@@ -45,6 +45,15 @@ class Undecodable(InvalidArgument):
     """The request bytes do not parse as the rpc's request message."""
 
 
+class RunFailed(Exception):
+    """The run as configured cannot go on (dynamic sampling found no usable groups within its budget, the data
+    ran out before the last step): a restart would only fail again. `flywheel serve` exits RUN_FAILED_EXIT."""
+
+
+RUN_FAILED_EXIT = 78
+"""sysexits' EX_CONFIG. The local launcher stops the run at this code instead of restarting the service."""
+
+
 def require(condition: bool, message: str) -> None:
     """Validate a request field: raise InvalidArgument(message) unless condition holds."""
     if not condition:

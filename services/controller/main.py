@@ -31,7 +31,7 @@ from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
 from services.common.config import EnvironmentSpec, FlywheelConfig
-from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
+from services.common.errors import AlreadyExists, InvalidArgument, RunFailed, Unavailable
 from services.common.logs import RateLimitedLog
 from services.common.pb.flywheel.v1 import (controller_pb2, controller_pb2_grpc, environment_pb2_grpc, replay_pb2_grpc,
                                             rollout_pb2_grpc, types_pb2)
@@ -95,7 +95,7 @@ class Controller:
         try:
             while not stop.is_set():
                 if self.fatal:
-                    raise RuntimeError(self.fatal)
+                    raise RunFailed(self.fatal)
                 await self._lease_window()
                 if self.state is not None:
                     await self.state.save(self.snapshot())
