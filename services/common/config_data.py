@@ -105,6 +105,10 @@ class DataConfig(Section):
     """Validation dataset(s), besides any train split_validation_size hold-out."""
     default: DatasetConfig | None = None
     """Values every train/validation entry takes for the fields it leaves unset."""
+    max_input_seq_length: int | None = Field(None, gt=0)
+    """A training prompt of this many tokens or more (chat template applied) is kept out of the loss, as NeMo RL's
+    processors do (loss_multiplier 0): rollout generates nothing for it and its completions are empty, truncated
+    and scored 0. Null: policy.max_total_sequence_length, where no token would fit anyway."""
 
     @model_validator(mode="before")
     @classmethod

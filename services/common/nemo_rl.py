@@ -154,8 +154,6 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", _is(False), "multimodal is not built"),
     Rule("data.num_workers", _any, "the controller reads rows itself; no loader workers"),
     Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),
-    Rule("data.max_input_seq_length", _same_as("policy.max_total_sequence_length"),
-         "prompts are bounded by policy.max_total_sequence_length (rollout truncates there)"),
     Rule("logger.tensorboard_enabled", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.tensorboard", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.monitor_gpus", _any, "GPU use is on each service's Prometheus /metrics"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,13 +21,21 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import struct_pb2
 from opentelemetry import trace
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
+from services.common.logs import RateLimitedLog
 from services.common.server import RETRIED
 from services.rollout.engines import Engine, Generated, Sampling
 
 tracer = trace.get_tracer("flywheel.rollout")
+log = logging.getLogger("flywheel.rollout")
+_warn = RateLimitedLog(log)
+PROMPTS_TOO_LONG = Counter("flywheel_rollout_prompts_too_long_total",
+                           "Prompt groups kept out of the loss: the prompt reached data.max_input_seq_length tokens")
+KEPT_PROMPT_TOKENS = 4
+"""A prompt kept out of the loss travels with its first few tokens only (NeMo RL's processors keep up to 4 per
+message): the trainer still gets the group, and never a row of an unbounded prompt."""
 TTFT_SECONDS = Histogram("flywheel_rollout_ttft_seconds", "Time to first token of one engine call (a turn's batch)",
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -65,11 +74,13 @@ class EpisodeRunner:
     """Runs one PromptGroup to a TrajectoryGroup with an engine and an environment stub."""
 
     def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
-                 default_sampling, max_seq_len: int, step_timeout_s: float) -> None:
+                 default_sampling, max_seq_len: int, step_timeout_s: float, max_prompt_len: int | None = None) -> None:
         self.engine = engine
         self.steps = StepBatcher(env, step_timeout_s)
         self.default_sampling = default_sampling
         self.max_seq_len = max_seq_len
+        self.max_prompt_len = min(max_prompt_len or max_seq_len, max_seq_len)
+        """data.max_input_seq_length: a prompt of this many tokens or more is kept out of the loss."""
 
     async def run(self, group: types_pb2.PromptGroup, worker_id: str,
                   generated: Callable[[], Awaitable[None]] | None = None) -> types_pb2.TrajectoryGroup:
@@ -82,6 +93,16 @@ class EpisodeRunner:
         sampling = Sampling.resolve(self.default_sampling, group.sampling)
         episodes = [EpisodeState(messages=list(prompt), metadata=group.metadata,
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
+        if len(prompt_ids) >= self.max_prompt_len:
+            # As NeMo RL's loss_multiplier 0: no generation, no environment call; each completion is empty,
+            # truncated and scored 0, so the group adds no loss token to its step.
+            PROMPTS_TOO_LONG.inc()
+            _warn.warning("too_long", "prompt %s has %d tokens, data.max_input_seq_length %d: kept out of the loss",
+                          group.prompt_id, len(prompt_ids), self.max_prompt_len)
+            prompt_ids = prompt_ids[:KEPT_PROMPT_TOKENS]
+            for e in episodes:
+                e.truncated = e.done = True
+                e.version_start = e.version_end = self.engine.version
         gen_s = env_s = 0.0
         turns = max(1, group.max_turns)
         for turn in range(turns):

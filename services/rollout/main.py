@@ -159,6 +159,7 @@ class RolloutWorker:
             channel(cfg.addresses.environment, security=cfg.security))
         self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
                                     max_seq_len=cfg.policy.max_total_sequence_length,
+                                    max_prompt_len=cfg.data.max_input_seq_length,
                                     step_timeout_s=cfg.rollout.step_timeout_s)
         self._announcements: asyncio.Queue = asyncio.Queue()
 

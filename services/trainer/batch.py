@@ -78,6 +78,9 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> Tra
         lp[i, : len(r)] = torch.tensor(gen_lp[i])
     trunc = torch.tensor(truncated, dtype=torch.bool)
     sample_mask = (~trunc).float() if overlong_filtering else torch.ones(len(rows))
+    # No generated token (a prompt past data.max_input_seq_length): out of the loss and of its sample counts,
+    # as NeMo RL's loss_multiplier 0.
+    sample_mask = sample_mask * (mask[:, 1:].sum(dim=1) > 0)
     return TrainBatch(input_ids=ids, attention_mask=attn, targets=ids[:, 1:], token_mask=mask[:, 1:],
                       generation_logprobs=lp[:, 1:], rewards=torch.tensor(rewards, dtype=torch.float32),
                       sample_mask=sample_mask, prompt_ids=prompt_ids, version_start=torch.tensor(versions),

@@ -76,3 +76,13 @@ def test_advantages_match_nemo_rl_with_truncated_samples(seed, filtering, loo, n
     assert batch.sample_mask.tolist() == [0.0 if (t and filtering) else 1.0 for t in flat_truncated]
     torch.testing.assert_close(adv, advantages(groups_of(rewards, truncated), filtering=not filtering, loo=loo,
                                                normalize=normalize)[1])
+
+
+def test_a_sample_with_no_generated_token_leaves_the_loss_and_its_counts():
+    """A prompt past data.max_input_seq_length comes with empty completions; NeMo RL gives it loss_multiplier 0."""
+    groups = groups_of([[1.0, 0.0]], [[False, False]])
+    groups.append(SimpleNamespace(prompt_token_ids=[1, 2, 3, 4], prompt_id="long", env_name="math", completions=[
+        SimpleNamespace(token_ids=[], generated_mask=[], generation_logprobs=[], reward=0.0, version_start=0,
+                        truncated=True) for _ in range(2)]))
+    batch = build_batch(groups, pad_id=0)
+    assert batch.sample_mask.tolist() == [1.0, 1.0, 0.0, 0.0]

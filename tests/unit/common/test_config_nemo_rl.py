@@ -141,3 +141,9 @@ def test_dtensor_settings_the_trainer_lacks_are_still_refused(override):
 def test_cpu_offload_is_refused_with_megatron():
     with pytest.raises(ConfigError, match="cpu_offload is the FSDP2 backend's"):
         load_config(None, ["policy.cpu_offload=true", "policy.megatron_cfg.enabled=true"])
+
+
+def test_max_input_seq_length_is_taken_and_defaults_to_the_total_length():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "data.max_input_seq_length=256"])
+    assert cfg.data.max_input_seq_length == 256
+    assert load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).data.max_input_seq_length == 512  # ${policy.max_total...}
