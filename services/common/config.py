@@ -71,13 +71,21 @@ class RewardScalingConfig(Section):
 class AdvantageEstimatorConfig(Section):
     """NeMo RL `grpo.adv_estimator`: which advantage estimator the trainer runs (services/trainer/algorithms/advantages.py).
 
-    grpo: the group baseline, divided by the group std (grpo.normalize_rewards, grpo.use_leave_one_out_baseline).
-    reinforce_plus_plus: Reinforce++ as ProRL v2 uses it: the group mean (minus_baseline), then one whitening over
-    the step's loss tokens; it reads neither normalize_rewards nor use_leave_one_out_baseline."""
+    grpo: the group baseline, divided by the group std. gdpo: GRPO's advantage of each reward component (an
+    environment's named rewards, e.g. math_multi_reward's), summed with reward_weights and standardised over the
+    step. reinforce_plus_plus: Reinforce++ as ProRL v2 uses it: the group mean (minus_baseline), then one
+    whitening over the step's loss tokens; it reads neither normalize_rewards nor use_leave_one_out_baseline."""
 
-    name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    name: Literal["grpo", "gdpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: bool | None = None
+    """grpo and gdpo: divide by the group's std where it is above 0. Null: grpo.normalize_rewards (NeMo RL's YAML
+    interpolates the same key here)."""
+    use_leave_one_out_baseline: bool | None = None
+    """grpo and gdpo: the baseline of a sample is the mean of the others. Null: grpo.use_leave_one_out_baseline."""
     minus_baseline: bool = True
-    """Reinforce++ only: subtract the group's mean reward before whitening."""
+    """reinforce_plus_plus: subtract the group's mean reward before whitening."""
+    reward_weights: list[float] | None = None
+    """gdpo: one weight per reward component, in the order of the components' names sorted; null: all 1."""
 
 
 class AsyncGRPOConfig(Section):
@@ -129,9 +137,10 @@ class GRPOConfig(Section):
     max_rollout_turns: int = Field(1, gt=0)
     """Environment turns per episode."""
     normalize_rewards: bool = True
-    """Divide advantages by the group's reward std (where std > 0)."""
+    """Divide advantages by the group's reward std (where std > 0); adv_estimator.normalize_rewards overrides it."""
     use_leave_one_out_baseline: bool = True
-    """RLOO baseline: the mean of the other samples of the group."""
+    """RLOO baseline: the mean of the other samples of the group; adv_estimator.use_leave_one_out_baseline
+    overrides it."""
     adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
     advantage_clip_low: float | None = None
     """Clamp advantages below this value after normalization; null disables."""
@@ -151,6 +160,16 @@ class GRPOConfig(Section):
         """k, the bound every service enforces: 0 (synchronous) unless async_grpo is enabled."""
         a = self.async_grpo
         return a.max_trajectory_age_steps if a.enabled else 0
+
+    @model_validator(mode="after")
+    def _estimator_defaults(self) -> GRPOConfig:
+        """What NeMo RL's `${grpo.normalize_rewards}` interpolations give: the estimator's own value, else grpo's."""
+        e = self.adv_estimator
+        if e.normalize_rewards is None:
+            e.normalize_rewards = self.normalize_rewards
+        if e.use_leave_one_out_baseline is None:
+            e.use_leave_one_out_baseline = self.use_leave_one_out_baseline
+        return self
 
     @model_validator(mode="after")
     def _clip_bounds_ordered(self) -> GRPOConfig:

@@ -148,10 +148,19 @@ class MathEnvConfig(Section):
     "Answer: ..." line, as normalized strings (NeMo RL's DAPO recipes)."""
 
 
+class MathMultiRewardEnvConfig(Section):
+    """NeMo RL `env.math_multi_reward` (its GDPO recipes): correctness, integer and format components."""
+
+    num_workers: int = Field(1, gt=0)
+    """NeMo RL's verifier actors; the checks are string comparisons and run in the environment's process."""
+    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
+
+
 class EnvConfig(Section):
     """NeMo RL `env`: settings of built-in environments."""
 
     math: MathEnvConfig = MathEnvConfig()
+    math_multi_reward: MathMultiRewardEnvConfig = MathMultiRewardEnvConfig()
 
 
 class WandbConfig(Section):

@@ -66,11 +66,6 @@ def _when(other: str, expected: Any) -> Callable[[Any, dict], bool]:
     return lambda v, tree: get(tree, other, expected) == expected
 
 
-def _grpo_reads(key: str) -> Callable[[Any, dict], bool]:
-    """adv_estimator.<key> is NeMo RL's copy of grpo.<key>: only the GRPO estimator reads it."""
-    return lambda v, tree: get(tree, "grpo.adv_estimator.name", "grpo") != "grpo" or v == get(tree, f"grpo.{key}")
-
-
 AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
 """Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
 
@@ -85,11 +80,6 @@ def _dtensor(v: Any, _: dict) -> bool:
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
 VLLM_ONLY = "Flywheel's vLLM engine"
 RULES: tuple[Rule, ...] = (
-    Rule("grpo.adv_estimator.normalize_rewards", _grpo_reads("normalize_rewards"),
-         "the GRPO estimator reads grpo.normalize_rewards, which NeMo RL copies here; Reinforce++ reads neither"),
-    Rule("grpo.adv_estimator.use_leave_one_out_baseline", _grpo_reads("use_leave_one_out_baseline"),
-         "the GRPO estimator reads grpo.use_leave_one_out_baseline, which NeMo RL copies here; Reinforce++ reads neither"),
-    Rule("grpo.adv_estimator.reward_weights", _is(None), "GDPO's per-reward weights: GDPO is not built"),
     Rule("grpo.batch_multiplier", lambda v, tree: v == 1 or (get(tree, "grpo.use_dynamic_sampling") and v >= 1),
          "over-generation for dynamic sampling: Flywheel's controller leases a new prompt for each group dynamic "
          "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),

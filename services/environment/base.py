@@ -114,11 +114,12 @@ def _builtin() -> dict[str, type[Environment]]:
     from services.environment.envs.code import CodeEnvironment
     from services.environment.envs.exact_match import ExactMatchEnvironment
     from services.environment.envs.math import MathEnvironment
+    from services.environment.envs.math_multi_reward import MathMultiRewardEnvironment
     from services.environment.envs.sliding_puzzle import SlidingPuzzleEnvironment
     from services.environment.envs.toy_copy import ToyCopyEnvironment
 
-    kinds = (MathEnvironment, CodeEnvironment, SlidingPuzzleEnvironment, ExactMatchEnvironment,
-             ToyCopyEnvironment)
+    kinds = (MathEnvironment, MathMultiRewardEnvironment, CodeEnvironment, SlidingPuzzleEnvironment,
+             ExactMatchEnvironment, ToyCopyEnvironment)
     return {cls.kind: cls for cls in kinds}
 
 

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from services.common.config import GRPOConfig
 from services.common.rewards import scale_reward
-from services.trainer.algorithms import compute_advantages, overlong_reward_penalty, reinforce_plus_plus_advantages
+from services.trainer.algorithms import (compute_advantages, gdpo_advantages, overlong_reward_penalty,
+                                         reinforce_plus_plus_advantages)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +42,8 @@ class TrainBatch:
     """[B]."""
     truncated: Tensor
     """[B] bool."""
+    named_rewards: dict[str, Tensor]
+    """Reward component name -> [B] float, for the names every sample has (GDPO's inputs)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -48,16 +51,22 @@ class TrainBatch:
     def rows(self, index: Tensor | slice) -> TrainBatch:
         """A sub-batch (micro-batch or data-parallel shard) of the same tensors."""
         pick = (lambda xs: [xs[i] for i in index.tolist()]) if isinstance(index, Tensor) else (lambda xs: xs[index])
-        return TrainBatch(**{f: (getattr(self, f)[index] if isinstance(getattr(self, f), Tensor)
-                                 else pick(getattr(self, f))) for f in self.__slots__})
+
+        def take(x):
+            if isinstance(x, Tensor):
+                return x[index]
+            return {k: v[index] for k, v in x.items()} if isinstance(x, dict) else pick(x)
+        return TrainBatch(**{f: take(getattr(self, f)) for f in self.__slots__})
 
 
 def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> TrainBatch:
     """groups: TrajectoryGroup messages (any object with the same fields)."""
     rows, gen_mask, gen_lp, rewards, prompt_ids, versions, envs, truncated = [], [], [], [], [], [], [], []
+    named: list[dict[str, float]] = []
     for g in groups:
         p = list(g.prompt_token_ids)
         for c in g.completions:
+            named.append(dict(c.named_rewards))
             rows.append(p + list(c.token_ids))
             gen_mask.append([False] * len(p) + list(c.generated_mask))
             gen_lp.append([0.0] * len(p) + list(c.generation_logprobs))
@@ -81,10 +90,12 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> Tra
     # No generated token (a prompt past data.max_input_seq_length): out of the loss and of its sample counts,
     # as NeMo RL's loss_multiplier 0.
     sample_mask = sample_mask * (mask[:, 1:].sum(dim=1) > 0)
+    shared = sorted(set.intersection(*(set(n) for n in named))) if named else []
     return TrainBatch(input_ids=ids, attention_mask=attn, targets=ids[:, 1:], token_mask=mask[:, 1:],
                       generation_logprobs=lp[:, 1:], rewards=torch.tensor(rewards, dtype=torch.float32),
                       sample_mask=sample_mask, prompt_ids=prompt_ids, version_start=torch.tensor(versions),
-                      env_names=envs, truncated=trunc)
+                      env_names=envs, truncated=trunc,
+                      named_rewards={k: torch.tensor([n[k] for n in named], dtype=torch.float32) for k in shared})
 
 
 def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
@@ -94,7 +105,21 @@ def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, fl
     (NeMo RL's estimators take valid_mask = ones). Overlong filtering acts on the loss, through
     `sample_mask`; under GRPO it never changes the advantages of the samples kept. Reinforce++
     whitens over the loss tokens (token_mask * sample_mask), so there it does, as in NeMo RL.
+    GDPO reads the reward components as the environment gave them: reward scaling and shaping act
+    on the summed reward, which GDPO does not read (as in NeMo RL).
     """
+    e = g.adv_estimator
+    if e.name == "gdpo":
+        if len(b.named_rewards) < 2:
+            raise ValueError(f"grpo.adv_estimator gdpo needs 2 or more reward components that every sample of the "
+                             f"step has; these samples share {sorted(b.named_rewards) or 'none'} (environments "
+                             f"{sorted(set(b.env_names))}): use an environment with named rewards, e.g. "
+                             f"math_multi_reward")
+        return gdpo_advantages(
+            torch.stack([b.named_rewards[k] for k in sorted(b.named_rewards)], dim=1), b.prompt_ids,
+            weights=e.reward_weights, use_leave_one_out_baseline=e.use_leave_one_out_baseline,
+            normalize_rewards=e.normalize_rewards,
+            advantage_clip_low=g.advantage_clip_low, advantage_clip_high=g.advantage_clip_high)
     rewards = b.rewards
     if g.reward_scaling.enabled:  # before shaping, as NeMo RL
         rewards = torch.tensor([scale_reward(r, g.reward_scaling) for r in rewards.tolist()], dtype=rewards.dtype)
@@ -103,12 +128,11 @@ def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, fl
         rewards = torch.where(b.truncated, rewards * shaping.stop_properly_penalty_coef, rewards)
     elif shaping.enabled:  # DAPO overlong penalty on the generated length
         rewards = rewards + overlong_reward_penalty(b.token_mask.sum(dim=1), shaping)
-    if g.adv_estimator.name == "reinforce_plus_plus":
+    if e.name == "reinforce_plus_plus":
         return reinforce_plus_plus_advantages(
-            rewards, b.prompt_ids, b.token_mask.sum(dim=1) * b.sample_mask,
-            minus_baseline=g.adv_estimator.minus_baseline,
+            rewards, b.prompt_ids, b.token_mask.sum(dim=1) * b.sample_mask, minus_baseline=e.minus_baseline,
             advantage_clip_low=g.advantage_clip_low, advantage_clip_high=g.advantage_clip_high)
     return compute_advantages(
         rewards, b.prompt_ids, torch.ones_like(rewards, dtype=torch.bool),
-        use_leave_one_out_baseline=g.use_leave_one_out_baseline, normalize_rewards=g.normalize_rewards,
+        use_leave_one_out_baseline=e.use_leave_one_out_baseline, normalize_rewards=e.normalize_rewards,
         advantage_clip_low=g.advantage_clip_low, advantage_clip_high=g.advantage_clip_high)

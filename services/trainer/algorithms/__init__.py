@@ -5,7 +5,8 @@ function returns `(value, metrics)` where it has metrics. Semantics follow NeMo 
 (see /work/shared/reference/nemo_rl.md §3-4 and docs/nemo_rl_mapping.md).
 """
 
-from services.trainer.algorithms.advantages import compute_advantages, group_layout, reinforce_plus_plus_advantages
+from services.trainer.algorithms.advantages import (compute_advantages, gdpo_advantages, group_layout,
+                                                    reinforce_plus_plus_advantages)
 from services.trainer.algorithms.dapo import overlong_reward_penalty
 from services.trainer.algorithms.importance import actor_importance_weights, mismatch_metrics
 from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
@@ -17,6 +18,7 @@ __all__ = [
     "calculate_kl",
     "clipped_pg_loss",
     "compute_advantages",
+    "gdpo_advantages",
     "group_layout",
     "mismatch_metrics",
     "overlong_reward_penalty",

@@ -17,7 +17,9 @@ never divide a real difference by a rounding-error std.
 
 Reinforce++ (NeMo RL's `ReinforcePlusPlusAdvantageEstimator`, used by ProRL v2) keeps the
 group mean but replaces the group std by one whitening over the whole step's loss tokens;
-see `reinforce_plus_plus_advantages`.
+see `reinforce_plus_plus_advantages`. GDPO (`GDPOAdvantageEstimator`) takes GRPO's advantage of
+each reward component, sums them with weights and standardises the sum over the batch; see
+`gdpo_advantages`.
 """
 
 from __future__ import annotations
@@ -156,6 +158,50 @@ def reinforce_plus_plus_advantages(
     padded = rewards.new_zeros(num_groups, size)
     padded[group, slot] = rewards
     is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=rewards.device)
+    is_valid[group, slot] = True
+    return advantages, _metrics(advantages, padded, is_valid)
+
+
+def gdpo_advantages(
+    components: Tensor,
+    prompt_ids: Sequence[str],
+    *,
+    weights: Sequence[float] | None,
+    use_leave_one_out_baseline: bool,
+    normalize_rewards: bool,
+    advantage_clip_low: float | None = None,
+    advantage_clip_high: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-sample GDPO advantages (arXiv 2601.05242).
+
+    components: [B, K] float, reward component k of sample i (K >= 2, in the order `weights` follow).
+
+        A_k = GRPO's advantage of component k (group baseline, optionally leave-one-out; / group std)
+        A   = sum_k w_k A_k                                   (w = 1 for every k when `weights` is None)
+        A   = (A - mean(A)) / std(A)  over the batch, Bessel std; A - mean(A) when std is 0; then clamped
+
+    Returns advantages [B] (components' dtype) and the metrics of `compute_advantages`, over the summed reward.
+    """
+    if components.dim() != 2 or components.shape[1] < 2:
+        raise ValueError(f"GDPO needs [B, K >= 2] reward components, got shape {tuple(components.shape)}")
+    weights = [1.0] * components.shape[1] if weights is None else list(weights)
+    if len(weights) != components.shape[1]:
+        raise ValueError(f"{len(weights)} reward_weights for {components.shape[1]} reward components")
+    valid = torch.ones(components.shape[0], dtype=torch.bool, device=components.device)
+    total = components.new_zeros(components.shape[0])
+    for k, weight in enumerate(weights):
+        part, _ = compute_advantages(components[:, k], prompt_ids, valid,
+                                     use_leave_one_out_baseline=use_leave_one_out_baseline,
+                                     normalize_rewards=normalize_rewards)
+        total = total + weight * part
+    std = total.std() if total.numel() > 1 else total.new_zeros(())
+    advantages = (total - total.mean()) / std if std > 0 else total - total.mean()
+    if advantage_clip_low is not None or advantage_clip_high is not None:
+        advantages = advantages.clamp(min=advantage_clip_low, max=advantage_clip_high)
+    group, slot, num_groups, size = group_layout(prompt_ids)
+    padded = components.new_zeros(num_groups, size)
+    padded[group, slot] = components.sum(dim=1)
+    is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=components.device)
     is_valid[group, slot] = True
     return advantages, _metrics(advantages, padded, is_valid)
 

@@ -51,14 +51,12 @@ def test_the_8b_config_inherits_the_1b_through_defaults():
 def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
     _, notes = load(CONFIGS / "grpo_math_1B.yaml", EDITS)
     keys = {key for key, _ in notes}
-    assert {"cluster", "grpo.adv_estimator.normalize_rewards", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
+    assert {"cluster", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
     assert all(why.startswith("accepted, no effect: ") for _, why in notes)
 
 
 @pytest.mark.parametrize("override, key", [
     ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
-    ("grpo.adv_estimator.use_leave_one_out_baseline=false", "grpo.adv_estimator.use_leave_one_out_baseline"),
-    ("grpo.adv_estimator.reward_weights=[1.0,2.0]", "grpo.adv_estimator.reward_weights"),
     ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
@@ -101,21 +99,27 @@ def test_a_transfer_queue_recipe_and_smoke_s_negative_val_period_load():
 def test_prorl_v2_loads_with_reinforce_plus_plus_and_its_dapo_parts():
     """NeMo RL's prorlv2.v2.yaml (on grpo_math_1B) with the same one edit: Reinforce++, dynamic sampling with
     over-generation, the stop-properly penalty, ICE-POP and decoupled clipping all taken as written."""
-    cfg, notes = load(CONFIGS / "prorlv2.v2.yaml", EDITS)
+    cfg = load_config(CONFIGS / "prorlv2.v2.yaml", EDITS)
     g, loss = cfg.grpo, cfg.loss_fn
     assert (g.adv_estimator.name, g.adv_estimator.minus_baseline) == ("reinforce_plus_plus", True)
     assert g.use_dynamic_sampling and g.reward_shaping.stop_properly_penalty_coef == 0.0
     assert (loss.truncated_importance_sampling_type, loss.ratio_clip_max, loss.reference_policy_kl_type) == (
         "icepop", 0.27, "k2")
-    # adv_estimator.use_leave_one_out_baseline: false differs from grpo's true, and Reinforce++ reads neither
-    assert g.use_leave_one_out_baseline and ("grpo.adv_estimator.use_leave_one_out_baseline", "accepted, no effect: "
-                                             "the GRPO estimator reads grpo.use_leave_one_out_baseline, which NeMo RL "
-                                             "copies here; Reinforce++ reads neither") in notes
+    assert g.use_leave_one_out_baseline and not g.adv_estimator.use_leave_one_out_baseline  # Reinforce++ reads neither
 
 
 def test_an_estimator_flywheel_lacks_is_named():
-    with pytest.raises(ConfigError, match=r"grpo.adv_estimator.name: .*'grpo' or 'reinforce_plus_plus'.*gdpo"):
-        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.adv_estimator.name=gdpo"])
+    with pytest.raises(ConfigError, match=r"grpo.adv_estimator.name: .*'grpo', 'gdpo' or 'reinforce_plus_plus'.*opd"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.adv_estimator.name=opd"])
+
+
+def test_the_estimators_own_baseline_settings_win_over_grpos_as_in_nemo_rl():
+    """NeMo RL's estimators read adv_estimator.*, which its YAML interpolates from grpo.* unless a config sets them."""
+    inherited = load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).grpo.adv_estimator
+    assert (inherited.normalize_rewards, inherited.use_leave_one_out_baseline) == (True, True)
+    own = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.adv_estimator.use_leave_one_out_baseline=false"])
+    assert own.grpo.use_leave_one_out_baseline and not own.grpo.adv_estimator.use_leave_one_out_baseline
+    assert not load_config(None, ["grpo.normalize_rewards=false"]).grpo.adv_estimator.normalize_rewards
 
 
 def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
@@ -147,3 +151,13 @@ def test_max_input_seq_length_is_taken_and_defaults_to_the_total_length():
     cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "data.max_input_seq_length=256"])
     assert cfg.data.max_input_seq_length == 256
     assert load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).data.max_input_seq_length == 512  # ${policy.max_total...}
+
+
+def test_gdpo_math_1b_loads_with_its_multi_reward_environment():
+    """NeMo RL's GDPO example: gsm8k scored by math_multi_reward's three components, the estimator's own
+    use_leave_one_out_baseline (false) over grpo's inherited true."""
+    cfg = load_config(CONFIGS / "gdpo_math_1B.yaml", EDITS)
+    e = cfg.grpo.adv_estimator
+    assert (e.name, e.normalize_rewards, e.use_leave_one_out_baseline, e.reward_weights) == ("gdpo", True, False, None)
+    assert cfg.data.train.dataset_name == "gsm8k" and cfg.data.train.env_name == "math_multi_reward"
+    assert cfg.env.math_multi_reward.num_workers == 8 and cfg.policy.max_total_sequence_length == 1024
