@@ -115,7 +115,8 @@ def in_process(cfg) -> tuple[list[float], float]:
                 return SimpleNamespace(prompt_id=str(i), env_name="toy", prompt_token_ids=ids, completions=[
                     SimpleNamespace(token_ids=o.token_ids, generated_mask=[True] * len(o.token_ids),
                                     generation_logprobs=o.logprobs, reward=r.reward, version_start=step,
-                                    truncated=o.truncated) for o, r in zip(outs, scored)])
+                                    truncated=o.truncated, named_rewards=r.named_rewards)
+                    for o, r in zip(outs, scored)])
 
             return await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
 

@@ -42,7 +42,7 @@ def batch_of(samples: int, seed: int = 0):
         prompt = torch.randint(4, 40, (16,), generator=g).tolist()
         completions = [SimpleNamespace(token_ids=torch.randint(4, 40, (n,), generator=g).tolist(),
                                        generated_mask=[True] * n, generation_logprobs=[-1.0] * n, version_start=0,
-                                       reward=float(j % 2), truncated=False)
+                                       reward=float(j % 2), truncated=False, named_rewards={})
                        for j, n in enumerate(torch.randint(24, 64, (8,), generator=g).tolist())]
         groups.append(SimpleNamespace(prompt_id=str(i), env_name="b", prompt_token_ids=prompt, completions=completions))
     return build_batch(groups, pad_id=0)

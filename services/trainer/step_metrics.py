@@ -33,4 +33,6 @@ def step_metrics(step: int, batch: TrainBatch, groups) -> dict[str, float]:
         by_env[env].append(reward)
     for env, rewards in by_env.items():
         out[f"train/reward_mean/{env}"] = sum(rewards) / len(rewards)
+    for name, values in batch.named_rewards.items():  # e.g. train/reward/correctness, as NeMo RL logs components
+        out[f"train/{name}" if name.startswith("reward/") else f"train/reward/{name}"] = values.mean().item()
     return out
