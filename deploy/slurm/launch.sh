@@ -115,7 +115,7 @@ EOF
 # --- the resolved config: base file + addresses + user overrides, validated by Flywheel's loader ---
 CONFIG=$RUN_DIR/config.yaml
 cd "$FLYWHEEL_HOME"
-read -r MAX_RESTARTS RESTART_WINDOW_S < <("$PY" - "$BASE_CONFIG" "$CONFIG" \
+read -r MAX_RESTARTS RESTART_WINDOW_S ROLLOUT_TP < <("$PY" - "$BASE_CONFIG" "$CONFIG" \
   "run.run_dir=$RUN_DIR" \
   "addresses.nats_url=nats://flywheel:$NATS_PASSWORD@$INFRA_HOST:$NATS_PORT" \
   "addresses.redis_url=redis://:$REDIS_PASSWORD@$INFRA_HOST:$REDIS_PORT/0" \
@@ -135,7 +135,7 @@ try:
 except ConfigError as err:
     sys.exit(f"launch.sh: {err}")
 Path(out).write_text(dump_config(cfg))
-print(cfg.run.max_restarts, int(cfg.run.restart_window_s))
+print(cfg.run.max_restarts, int(cfg.run.restart_window_s), cfg.policy.generation.vllm_cfg.tensor_parallel_size)
 EOF
 )
 [[ -n "${MAX_RESTARTS:-}" ]] || exit 1  # the loader said why
@@ -235,10 +235,14 @@ start trainer srun --het-group=1 --nodes="$TRAINER_NODES" --ntasks-per-node="$TR
   "$FLYWHEEL_BIN" serve trainer \
   "addresses.host=$TRAINER_HOST" "telemetry.metrics_port=$(mport 4)" --config "$CONFIG"
 
-# --- group 2: rollout, one worker per task (one GPU each on a GPU job) ---
+# --- group 2: rollout, one worker per task (on a GPU job, vllm_cfg.tensor_parallel_size GPUs each) ---
 ROLLOUT=(srun --het-group=2 --unbuffered)
-(( GPUS )) && ROLLOUT+=(--gpus-per-task=1)
-[[ -n "${FLYWHEEL_ROLLOUT_PER_NODE:-}" ]] && ROLLOUT+=(--ntasks-per-node="$FLYWHEEL_ROLLOUT_PER_NODE")
+(( GPUS )) && ROLLOUT+=(--gpus-per-task="$ROLLOUT_TP")
+if [[ -n "${FLYWHEEL_ROLLOUT_PER_NODE:-}" ]]; then  # GPUs (CPU job: workers) per node; a worker takes TP GPUs
+  per_node=$FLYWHEEL_ROLLOUT_PER_NODE
+  (( GPUS )) && per_node=$(( FLYWHEEL_ROLLOUT_PER_NODE / ROLLOUT_TP ))
+  ROLLOUT+=(--ntasks-per-node="$per_node")
+fi
 start rollout "${ROLLOUT[@]}" bash "$FLYWHEEL_HOME/deploy/slurm/rollout_task.sh"
 
 [[ "$DRY_RUN" == 1 ]] && exit 0

@@ -9,7 +9,8 @@ Three components, one per het group (launch.sh starts each with `srun --het-grou
   0  infra    1 node, no GPU: NATS, Redis, controller, environment, replay
   1  trainer  N nodes x G GPUs: one `flywheel serve trainer` task per GPU, ranks from srun
               (SLURM_PROCID/SLURM_NTASKS), MASTER_ADDR = the first trainer node
-  2  rollout  M nodes: one `flywheel serve rollout` task per GPU (--gpus-per-task=1)
+  2  rollout  M nodes: one `flywheel serve rollout` task per policy.generation.vllm_cfg.tensor_parallel_size
+              GPUs (--gpus-per-task=TP, 1 by default)
 With --cpu there are no GPU requests: the trainer runs G gloo ranks per node and rollout R workers per
 node, which is how the tests run the tiny model through a real Slurm.
 
@@ -61,13 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_fits(cfg: FlywheelConfig, cpu: bool) -> list[str]:
+def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
     """Config choices that cannot work on the requested hardware: stop before the queue."""
     problems = []
     if cpu and cfg.weight_sync.backend in ("nccl", "nixl"):
         problems.append(f"weight_sync.backend={cfg.weight_sync.backend} needs GPUs; use gloo or filesystem with --cpu")
     if cpu and cfg.policy.generation.backend == "vllm":
         problems.append("policy.generation.backend=vllm needs GPUs here; use hf with --cpu")
+    tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size  # a rollout worker takes TP GPUs of its node
+    if not cpu and rollout_gpus % tp:
+        problems.append(f"--rollout-gpus {rollout_gpus} is not a multiple of "
+                        f"policy.generation.vllm_cfg.tensor_parallel_size {tp}")
     return problems
 
 
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"make_sbatch: {err}", file=sys.stderr)
         return 2
-    problems = check_fits(cfg, args.cpu)
+    problems = check_fits(cfg, args.cpu, args.rollout_gpus)
     if problems:
         print("\n".join(f"make_sbatch: {p}" for p in problems), file=sys.stderr)
         return 2

@@ -356,6 +356,9 @@ class VLLMConfig(Section):
     """Requests the engine schedules together at most (vLLM's continuous batch)."""
     cpu_kvcache_space_gib: int = Field(1, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, when the environment does not set it)."""
+    tensor_parallel_size: int = Field(1, gt=0)
+    """GPUs (on CPU: groups of cores) one rollout worker's engine shards the model over. The weight channel
+    still has one receiver per worker (TP rank 0), which hands the weights to the other ranks."""
 
 
 class GenerationConfig(Section):
@@ -373,6 +376,12 @@ class GenerationConfig(Section):
     vllm_kwargs: dict[str, Any] = {}
     """More vLLM engine arguments (AsyncEngineArgs fields, e.g. max_num_batched_tokens, compilation_config), passed
     as they are; the vLLM engine refuses one it does not know or one that Flywheel sets from another key."""
+
+    @model_validator(mode="after")
+    def _tp_is_vllms(self) -> GenerationConfig:
+        if self.backend != "vllm" and self.vllm_cfg.tensor_parallel_size > 1:
+            raise ValueError("vllm_cfg.tensor_parallel_size > 1 needs backend vllm; the hf engine runs in one process")
+        return self
 
 
 class PolicyConfig(Section):

@@ -127,7 +127,6 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto"), "the KV cache takes the model's dtype"),
     Rule("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs"),
          f"{VLLM_ONLY} returns processed logprobs (after temperature), as NeMo RL's default"),
-    Rule("policy.generation.vllm_cfg.tensor_parallel_size", _is(1), "vLLM tensor parallelism is not wired"),
     Rule("policy.generation.vllm_cfg.pipeline_parallel_size", _is(1), "vLLM pipeline parallelism is not wired"),
     Rule("policy.generation.vllm_cfg.expert_parallel_size", _is(1), "vLLM expert parallelism is not wired"),
     Rule("policy.generation.vllm_cfg.max_model_len", _same_as("policy.max_total_sequence_length"),

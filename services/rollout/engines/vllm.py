@@ -79,6 +79,15 @@ def engine_kwargs(ours: dict[str, Any], extra: dict[str, Any], known: set[str]) 
     return {**ours, **extra}
 
 
+def cpu_thread_binding(cores: list[int], tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: the cores in `tp` equal runs, "0-3|4-7"."""
+    if len(cores) < tp:
+        raise ValueError(f"vllm_cfg.tensor_parallel_size {tp} needs a core per rank; this process may use {len(cores)}")
+    per = len(cores) // tp
+    runs = [cores[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(map(str, run)) for run in runs)
+
+
 def hf_manifest(model: torch.nn.Module) -> Manifest:
     """Manifest of `model.state_dict()` in its order: what the trainer sends (`get_model_state_dict`)."""
     return Manifest(specs=tuple(TensorSpec(name=n, shape=tuple(t.shape), dtype=t.dtype)
@@ -171,12 +180,16 @@ class VLLMEngine(Engine):
             self._model_dir = write_model_dir(meta, self.tokenizer, tempfile.mkdtemp(prefix="flywheel-vllm-"))
             model = self._model_dir
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(v.cpu_kvcache_space_gib))  # GiB; CPU only
+        if v.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            # vLLM's CPU workers bind their threads per NUMA node and refuse TP > nodes unless told the cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  cpu_thread_binding(sorted(os.sched_getaffinity(0)), v.tensor_parallel_size))
         ours = dict(
             model=model, tokenizer=model, dtype=p.precision, load_format="dummy", seed=self.cfg.run.seed,
             max_model_len=p.max_total_sequence_length, logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=EXTENSION, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager or not torch.cuda.is_available(), max_num_seqs=v.max_num_seqs,
-            tensor_parallel_size=1, enable_prefix_caching=True, disable_log_stats=True,
+            tensor_parallel_size=v.tensor_parallel_size, enable_prefix_caching=True, disable_log_stats=True,
             hf_overrides=dict(p.hf_config_overrides))  # a tiny model's written config has them already
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(ours, p.generation.vllm_kwargs, known)))

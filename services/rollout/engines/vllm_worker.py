@@ -12,6 +12,12 @@ with `AsyncLLM.collective_rpc("flywheel_...", args=...)`. Only small, msgpack-ab
 Weights are applied with vLLM's in-place `reload_weights`, not `model.load_weights`: CPU kernels repack
 some weights after loading (their original parameters are left empty), and reload_weights reruns that.
 
+Tensor parallelism (vllm_cfg.tensor_parallel_size > 1): vLLM runs one worker per TP rank, and collective_rpc
+calls each. Only TP rank 0 is a member of the weight channel, so the trainer sees one receiver per rollout
+worker whatever its TP size; rank 0 then broadcasts the full staging tensors over vLLM's own TP group, and
+every rank's `reload_weights` keeps its shard. Rank 0 first broadcasts whether its receive succeeded, so a
+failed transfer fails every rank instead of leaving the others waiting in a broadcast.
+
 Logprobs: `flywheel_setup` wraps the sampler's top-k/top-p stage so that the "processed" logprobs vLLM
 returns are log_softmax(logits / T) over the whole vocabulary, taken after temperature and before top-k/top-p
 filtering: the definition the trainer scores with (`services.common.modeling.token_logprobs`), for every
@@ -31,10 +37,13 @@ class FlywheelWorkerExtension:
     def flywheel_setup(self, worker_id: str, backend: str, host: str | None, staging: list) -> bool:
         """Once, after the engine started: the receiver, its staging tensors (HF names, shapes, dtypes in the
         trainer's manifest order: `staging` is [(name, shape, dtype name)]), and the logprob definition."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         from services.common.weights import WeightReceiver
 
         device = "cpu" if backend == "gloo" else self.device
-        self.flywheel_receiver = WeightReceiver(worker_id, backend, host=host)
+        self.flywheel_receiver = WeightReceiver(worker_id, backend, host=host) \
+            if get_tensor_model_parallel_rank() == 0 else None
         self.flywheel_staging = {name: torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
                                  for name, shape, dtype in staging}
         _logprobs_before_filtering(self.model_runner.sampler.topk_topp_sampler)
@@ -42,13 +51,39 @@ class FlywheelWorkerExtension:
 
     def flywheel_receive(self, announcement: dict[str, Any], timeout_s: float, skip: list[str]) -> str:
         """Join the announced epoch, fill the staging tensors, load them into the model; returns the checksum
-        the receiver acked. `skip`: staged names vLLM must not be given (a tied lm_head)."""
-        digest = self.flywheel_receiver.receive(announcement, self.flywheel_staging, timeout_s=timeout_s)
+        the receiver acked (TP rank 0; the other ranks return ""). `skip`: staged names vLLM must not be given
+        (a tied lm_head)."""
+        from vllm.distributed import get_tp_group
+
+        tp = get_tp_group()
+        digest, failure = "", None
+        if self.flywheel_receiver is not None:
+            try:
+                digest = self.flywheel_receiver.receive(announcement, self.flywheel_staging, timeout_s=timeout_s)
+            except Exception as exc:  # the other ranks must hear of it before it is raised
+                failure = exc
+        if tp.world_size > 1:
+            received = self._flywheel_broadcast(tp, torch.tensor([failure is None], dtype=torch.uint8))
+            if not received.item():
+                raise failure or RuntimeError("TP rank 0 failed to receive the weights")
+            for tensor in self.flywheel_staging.values():
+                self._flywheel_broadcast(tp, tensor)
+        elif failure is not None:
+            raise failure
         weights = [(n, t) for n, t in self.flywheel_staging.items() if n not in skip]
         self.model_runner.reload_weights(weights_iterator=weights)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return digest
+
+    def _flywheel_broadcast(self, tp, tensor: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's `tensor` into every rank's, over vLLM's TP group (on the worker's device, as its group
+        needs: a gloo-staged tensor on a GPU worker goes through the device and back)."""
+        if tensor.device == torch.device(self.device):
+            return tp.broadcast(tensor, src=0)
+        moved = tp.broadcast(tensor.to(self.device), src=0)
+        tensor.copy_(moved)
+        return tensor
 
     def flywheel_close(self) -> bool:
         receiver = getattr(self, "flywheel_receiver", None)

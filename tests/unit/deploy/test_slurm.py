@@ -187,3 +187,16 @@ def test_rollout_task_offsets_ports_by_local_id_and_shares_a_step_over_the_tasks
     assert cfg.addresses.rollout == "0.0.0.0:50057" and cfg.addresses.host == ""
     assert cfg.telemetry.metrics_port == 9413
     assert cfg.rollout.num_workers == 6 and cfg.groups_in_flight == 3  # 16 prompts per step over 6 workers
+
+
+def test_a_tensor_parallel_rollout_worker_gets_tp_gpus_and_a_node_fewer_workers(tmp_path):
+    plan, _ = _dry_run(tmp_path, "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2")
+    assert "--gpus-per-task=2" in plan["rollout"]
+
+
+def test_make_sbatch_refuses_a_tp_that_does_not_divide_the_rollout_gpus():
+    tp3 = ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=3"]
+    run = _make_sbatch("deploy/compose/config.yaml", "--rollout-gpus", "8", *tp3)
+    assert run.returncode == 2 and ("--rollout-gpus 8 is not a multiple of "
+                                    "policy.generation.vllm_cfg.tensor_parallel_size 3") in run.stderr
+    assert _make_sbatch("deploy/compose/config.yaml", "--rollout-gpus", "6", *tp3).returncode == 0
