@@ -413,6 +413,9 @@ class PolicyConfig(Section):
     """Micro-batches of as many padded samples as fit the token budget."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    tensor_parallel_size: int = Field(1, gt=0)
+    """FSDP2: ranks each linear layer is split over (NeMo RL's dtensor_cfg.tensor_parallel_size), by the model's
+    Hugging Face TP plan; data parallelism is the ranks / this. Megatron-Core has its own TP key."""
     cpu_offload: bool = False
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
@@ -434,6 +437,9 @@ class PolicyConfig(Section):
     def _fsdp2_only(self) -> PolicyConfig:
         if self.megatron_cfg.enabled and self.cpu_offload:
             raise ValueError("cpu_offload is the FSDP2 backend's (CPUOffloadPolicy); Megatron-Core does not take it")
+        if self.megatron_cfg.enabled and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size is the FSDP2 backend's; Megatron-Core reads "
+                             "megatron_cfg.tensor_model_parallel_size")
         if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
             raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
                              "entropy does not take it")

@@ -70,10 +70,12 @@ AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
 """Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
 
 
-def _dtensor(v: Any, _: dict) -> bool:
+def _dtensor(v: Any, tree: dict) -> bool:
     v = v if isinstance(v, dict) else {}
-    return (v.get("enabled", True) and v.get("tensor_parallel_size", 1) == 1 and v.get("context_parallel_size", 1) == 1
-            and v.get("custom_parallel_plan") is None and not (v.get("lora_cfg") or {}).get("enabled")
+    tp = get(tree, "policy.tensor_parallel_size", 1)  # moved out of dtensor_cfg before the rules run
+    return (v.get("enabled", True) and v.get("context_parallel_size", 1) == 1
+            and not (tp > 1 and v.get("sequence_parallel")) and v.get("custom_parallel_plan") is None
+            and not (v.get("lora_cfg") or {}).get("enabled")
             and all(AUTOMODEL_AS_FLYWHEEL.get(k, _MISSING) == x for k, x in (v.get("automodel_kwargs") or {}).items()))
 
 
@@ -99,14 +101,16 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model with TP = CP = 1 "
-         "(sequence_parallel acts only with TP > 1), no LoRA, no Automodel kwargs but force_hf: true"),
+    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor parallelism by its own TP "
+         "plan but no sequence parallelism with it, CP = 1, no custom plan, no LoRA, no Automodel kwargs but "
+         "force_hf: true"),
     Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
          "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
     Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
     Rule("policy.sequence_packing.*", _any, "packing order and rounding change speed, not the loss"),
     Rule("policy.dynamic_batching.sequence_length_round", _any, "rounding changes speed, not the loss"),
-    Rule("policy.make_sequence_length_divisible_by", _is(1), "padding for tensor parallelism; TP is 1"),
+    Rule("policy.make_sequence_length_divisible_by", _any, "padding for sequence parallelism, which is not built; "
+         "tensor parallelism without it splits no sequence, and the trainer pads to its own widths"),
     Rule("policy.generation.port_range_low", _any, PLACEMENT),
     Rule("policy.generation.port_range_high", _any, PLACEMENT),
     Rule("policy.generation.val_temperature", _same_as("policy.generation.temperature"),
@@ -157,7 +161,8 @@ RULES: tuple[Rule, ...] = (
 )
 
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
-         "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload"}
+         "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
+         "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size"}
 """NeMo RL key -> the Flywheel key with the same meaning."""
 
 

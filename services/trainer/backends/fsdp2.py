@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
@@ -44,10 +46,15 @@ class FSDP2Backend(TrainingBackend):
     def __init__(self, cfg: FlywheelConfig, info: RankInfo) -> None:
         self.cfg = cfg
         self.rank, self.world = info.rank, info.world
+        self.tp = cfg.policy.tensor_parallel_size
+        if self.world % self.tp:
+            raise ValueError(f"policy.tensor_parallel_size {self.tp} does not divide the trainer's {self.world} ranks")
+        self.dp_rank, self.dp = self.rank // self.tp, self.world // self.tp
+        """Data-parallel rank and size: the ranks of one TP group (consecutive ranks) train on the same rows."""
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
         self.publish_dtype = getattr(torch, cfg.policy.precision)
-        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
         model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
         if cfg.policy.activation_checkpointing:  # per decoder layer, non-reentrant: composes with FSDP2
@@ -62,7 +69,9 @@ class FSDP2Backend(TrainingBackend):
         self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
-        """fully_shard each decoder layer (`decoder_layers`), then the root. `offload` keeps the shards in host memory
+        """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
+        (`tensor_parallel`); then fully_shard each decoder layer (`decoder_layers`), then the root, over
+        the data-parallel ranks. `offload` keeps the shards in host memory
         between uses (the reference policy on GPU, and the policy with policy.cpu_offload): FSDP copies
         them in for each forward and backward, gradients come back to the host and the optimizer steps
         there. Pinned on GPU for faster copies; on CPU there is no device memory to pin against.
@@ -72,9 +81,11 @@ class FSDP2Backend(TrainingBackend):
         likewise applies FSDP only when the data-parallel shard degree is above 1)."""
         if self.world == 1 and self.device.type == "cpu":
             return model
+        if self.tp > 1:
+            tensor_parallel(model, self.mesh["tp"])
         mp = MixedPrecisionPolicy(param_dtype=self.publish_dtype, reduce_dtype=torch.float32) \
             if self.device.type == "cuda" else MixedPrecisionPolicy()
-        kwargs = dict(mesh=self.mesh, mp_policy=mp)
+        kwargs = dict(mesh=self.mesh["dp"], mp_policy=mp)
         if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         for layer in decoder_layers(model):
@@ -89,7 +100,7 @@ class FSDP2Backend(TrainingBackend):
         p = self.cfg.policy
         out = torch.zeros(b.targets.shape, dtype=torch.float32)
         micro = p.logprob_batch_size or p.train_micro_batch_size
-        for rows in logprob_plan(lengths, self.rank, self.world, global_batch=p.train_global_batch_size,
+        for rows in logprob_plan(lengths, self.dp_rank, self.dp, global_batch=p.train_global_batch_size,
                                  micro=micro, budget=self.forward.budget(train=False)):
             values = self.forward.logprobs(model, b, rows or [0])  # an empty micro-batch still joins the collectives
             if rows:
@@ -116,7 +127,7 @@ class FSDP2Backend(TrainingBackend):
         t1 = time.perf_counter()
         data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, reference_logprobs=ref,
                           advantages=advantages, token_mask=b.token_mask, sample_mask=b.sample_mask)
-        plan = train_plan(lengths, self.rank, self.world, global_batch=p.train_global_batch_size,
+        plan = train_plan(lengths, self.dp_rank, self.dp, global_batch=p.train_global_batch_size,
                           micro=p.train_micro_batch_size, budget=self.forward.budget(train=True))
         self.model.train()
         try:
@@ -140,15 +151,15 @@ class FSDP2Backend(TrainingBackend):
             curr = self.forward.logprobs(self.model, b, rows or [chunk[0]])
             part = self.forward.loss_inputs(data, rows or [chunk[0]], curr.shape[1])
             loss, m = clipped_pg_loss(curr, part, self.cfg.loss_fn, **totals)
-            (loss * (self.world if rows else 0.0)).backward()  # an empty micro-batch adds nothing
+            (loss * (self.dp if rows else 0.0)).backward()  # FSDP averages over dp; an empty micro-batch adds 0
             if rows:
                 metrics = combine_metrics(metrics, m)
-        metrics = _combine_over_ranks(metrics, self.world)
+        metrics = _combine_over_ranks(metrics, self.mesh["dp"])  # a TP group's ranks report the same rows
         max_norm = self.cfg.policy.max_grad_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = clip_grad_norm(list(self.model.parameters()), max_norm)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        metrics["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        metrics["grad_norm"] = float(norm)
         return metrics
 
     # ---- weights and checkpoints ---------------------------------------------------------------
@@ -189,12 +200,56 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """Sum, min or max each metric over the ranks (a rank may have no rows, hence no keys)."""
-    if world == 1:
+def tensor_parallel(model: torch.nn.Module, mesh) -> None:
+    """Split the model over the TP `mesh` by its own Hugging Face plan (`config.base_model_tp_plan`: attention
+    q/k/v and MLP gate/up by output columns, o/down by input rows, so each block needs one all-reduce), and
+    lm_head by output columns, gathered back whole for the log-softmax. Embeddings and norms stay whole.
+    A tied lm_head stays whole too: splitting it would split the embedding it shares."""
+    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    odd = sorted({style for style in plan.values()} - set(TP_STYLES))
+    if not plan or odd:
+        raise ValueError(f"{type(model).__name__}: policy.tensor_parallel_size > 1 needs a Hugging Face TP plan of "
+                         f"{' and '.join(TP_STYLES)} layers; this model's is {plan or 'missing'}")
+    size, c = mesh.size(), model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(c, name, None) or c.num_attention_heads
+        if heads % size:
+            raise ValueError(f"{name} {heads} is not divisible by policy.tensor_parallel_size {size}")
+    parallelize_module(model.base_model, mesh, {key: TP_STYLES[style]() for key, style in plan.items()})
+    if not getattr(c, "tie_word_embeddings", False):
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+"""The Hugging Face plan styles Flywheel applies (dense decoders); MoE and packed styles are refused."""
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """torch's clip_grad_norm_ (norm 2, the same 1e-6) for parameters on several device meshes: with TP the
+    split layers live on the (dp, tp) mesh and the rest on dp's, and torch's stacks their norms, which DTensor
+    refuses across meshes. Returns the total norm before clipping."""
+    groups: dict[object, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().square())
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def _combine_over_ranks(metrics: dict[str, float], mesh) -> dict[str, float]:
+    """Sum, min or max each metric over the data-parallel ranks of `mesh` (a rank may have no rows, hence no keys)."""
+    if mesh.size() == 1:
         return metrics
-    parts: list[dict[str, float]] = [{} for _ in range(world)]
-    dist.all_gather_object(parts, metrics)
+    parts: list[dict[str, float]] = [{} for _ in range(mesh.size())]
+    dist.all_gather_object(parts, metrics, group=mesh.get_group())
     out: dict[str, float] = {}
     for part in parts:
         out = combine_metrics(out, part)

@@ -57,7 +57,7 @@ def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
 
 @pytest.mark.parametrize("override, key", [
     ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
-    ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg"),
+    ("policy.dtensor_cfg.context_parallel_size=2", "policy.dtensor_cfg"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
 ])
@@ -134,12 +134,20 @@ def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
     assert cfg.data.validation.repeat == 16
 
 
-@pytest.mark.parametrize("override", ["policy.dtensor_cfg.tensor_parallel_size=2",
-                                      "++policy.dtensor_cfg.automodel_kwargs={force_hf: false}",
-                                      "++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"])
-def test_dtensor_settings_the_trainer_lacks_are_still_refused(override):
+@pytest.mark.parametrize("overrides", [
+    ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
+    ["policy.dtensor_cfg.context_parallel_size=2"],
+    ["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"],
+    ["++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"]])
+def test_dtensor_settings_the_trainer_lacks_are_still_refused(overrides):
     with pytest.raises(ConfigError, match="policy.dtensor_cfg: Flywheel cannot honour"):
-        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, override])
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *overrides])
+
+
+def test_dtensor_tensor_parallelism_is_taken_and_its_padding_is_accepted():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "policy.dtensor_cfg.tensor_parallel_size=4",
+                                                      "policy.make_sequence_length_divisible_by=4"])
+    assert cfg.policy.tensor_parallel_size == 4
 
 
 def test_cpu_offload_is_refused_with_megatron():

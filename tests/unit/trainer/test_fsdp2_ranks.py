@@ -24,7 +24,10 @@ def _train_once(rank: int, out: str, overrides: list[str]) -> None:
     metrics = backend.train_step(batch, advantages)
     state = backend.full_state_dict()
     if rank == 0:
-        torch.save({"state": state, "metrics": metrics, "offloaded": _offloaded(backend.model)}, out)
+        gate = backend.model.model.layers[0].mlp.gate_proj.weight
+        torch.save({"state": state, "metrics": metrics, "offloaded": _offloaded(backend.model),
+                    "gate_local_rows": gate.to_local().shape[0] if hasattr(gate, "to_local") else gate.shape[0],
+                    "gate_rows": gate.shape[0]}, out)
 
 
 def _offloaded(model: torch.nn.Module) -> bool | None:
@@ -33,14 +36,19 @@ def _offloaded(model: torch.nn.Module) -> bool | None:
     return None if state is None else isinstance(state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
 
 
-@pytest.mark.parametrize("extra", [[], ["policy.activation_checkpointing=true"], ["policy.cpu_offload=true"]],
-                         ids=["plain", "act_ckpt", "cpu_offload"])
+@pytest.mark.parametrize("extra", [[], ["policy.activation_checkpointing=true"], ["policy.cpu_offload=true"],
+                                   # SGD at lr 1: weights compare gradients (Adam's g / (|g| + eps) magnifies
+                                   # the rounding of TP's other reduction order in near-zero gradients)
+                                   ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
+                         ids=["plain", "act_ckpt", "cpu_offload", "tp2"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    run_ranks(1, _train_once, one, OVERRIDES + extra)
+    run_ranks(1, _train_once, one, OVERRIDES + [e for e in extra if "tensor_parallel" not in e])  # TP needs 2
     run_ranks(2, _train_once, two, OVERRIDES + extra)
     a, b = torch.load(one), torch.load(two)
     assert (a["offloaded"], b["offloaded"]) == (None, "policy.cpu_offload=true" in extra)
+    # each rank holds half the rows: FSDP's dp shard, or with TP (dp = 1) the gate projection's column split
+    assert b["gate_local_rows"] * 2 == b["gate_rows"] == a["gate_local_rows"]
     for name, value in a["state"].items():
         torch.testing.assert_close(b["state"][name], value, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
     for name in ("loss", "probs_ratio_min", "probs_ratio_max", "grad_norm", "lr", "kl_penalty"):
