@@ -71,10 +71,10 @@ class FSDP2Backend(TrainingBackend):
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
         """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
         (`tensor_parallel`); then fully_shard each decoder layer (`decoder_layers`), then the root, over
-        the data-parallel ranks. `offload` keeps the shards in host memory
-        between uses (the reference policy on GPU, and the policy with policy.cpu_offload): FSDP copies
-        them in for each forward and backward, gradients come back to the host and the optimizer steps
-        there. Pinned on GPU for faster copies; on CPU there is no device memory to pin against.
+        the data-parallel ranks. `offload` keeps the shards in host memory between uses (the reference
+        policy on GPU, and the policy with policy.cpu_offload): FSDP copies them in for each forward and
+        backward, gradients come back to the host and the optimizer steps there. Pinned on GPU for faster
+        copies; on CPU there is no device memory to pin against.
 
         One CPU rank is left a plain module: there is nothing to shard, no mixed precision and no
         offload, and DTensor dispatch on every op cost ~30% of a training step's CPU here (torchtitan
