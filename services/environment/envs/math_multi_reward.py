@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import re
 
-from services.environment.base import Environment, StepResult, assistant_contents
+from services.environment.base import Environment, StepResult, assistant_contents, score_each
+from services.environment.envs.math import CORRECT, INCORRECT
 
-CORRECT = "Environment: correct"
-INCORRECT = "Environment: incorrect"
 FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
 
 
@@ -42,17 +41,11 @@ class MathMultiRewardEnvironment(Environment):
         del num_workers  # NeMo RL's verifier actors; string checks need none
 
     def step(self, conversations, metadata, *, return_extracted_answer=False):
-        if len(conversations) != len(metadata):
-            raise ValueError(f"{len(conversations)} conversations but {len(metadata)} metadata entries")
-        results = []
-        for conversation, meta in zip(conversations, metadata):
-            try:
-                response = "".join(assistant_contents(conversation))
-                named = components(response, str(meta["ground_truth"]))
-            except Exception as exc:  # on purpose: one bad episode never fails the batch
-                results.append(StepResult.failed(f"bad episode: {type(exc).__name__}: {exc}"))
-                continue
-            results.append(StepResult(
-                observation=CORRECT if named["reward/correctness"] else INCORRECT, reward=sum(named.values()),
-                named_rewards=named, answer=answer_of(response) if return_extracted_answer else None))
-        return results
+        def one(conversation: list[dict], meta: dict) -> StepResult:
+            response = "".join(assistant_contents(conversation))
+            named = components(response, str(meta["ground_truth"]))
+            return StepResult(observation=CORRECT if named["reward/correctness"] else INCORRECT,
+                              reward=sum(named.values()), named_rewards=named,
+                              answer=answer_of(response) if return_extracted_answer else None)
+
+        return score_each(one, conversations, metadata)
