@@ -138,8 +138,8 @@ def reinforce_plus_plus_advantages(
     """
     if rewards.dim() != 1 or len(prompt_ids) != rewards.shape[0] or loss_tokens.shape != rewards.shape:
         raise ValueError("rewards, prompt_ids and loss_tokens must all have length B")
-    group, slot, num_groups, size = group_layout(prompt_ids)
-    group, slot = group.to(rewards.device), slot.to(rewards.device)
+    group, _, num_groups, _ = group_layout(prompt_ids)
+    group = group.to(rewards.device)
     advantages = rewards
     if minus_baseline:
         sums = rewards.new_zeros(num_groups).index_add_(0, group, rewards)
@@ -155,11 +155,7 @@ def reinforce_plus_plus_advantages(
         advantages = torch.zeros_like(rewards)
     if advantage_clip_low is not None or advantage_clip_high is not None:
         advantages = advantages.clamp(min=advantage_clip_low, max=advantage_clip_high)
-    padded = rewards.new_zeros(num_groups, size)
-    padded[group, slot] = rewards
-    is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=rewards.device)
-    is_valid[group, slot] = True
-    return advantages, _metrics(advantages, padded, is_valid)
+    return advantages, _metrics_all_valid(advantages, rewards, prompt_ids)
 
 
 def gdpo_advantages(
@@ -198,12 +194,18 @@ def gdpo_advantages(
     advantages = (total - total.mean()) / std if std > 0 else total - total.mean()
     if advantage_clip_low is not None or advantage_clip_high is not None:
         advantages = advantages.clamp(min=advantage_clip_low, max=advantage_clip_high)
+    return advantages, _metrics_all_valid(advantages, components.sum(dim=1), prompt_ids)
+
+
+def _metrics_all_valid(advantages: Tensor, rewards: Tensor, prompt_ids: Sequence[str]) -> dict[str, float]:
+    """`_metrics` for estimators that count every sample (Reinforce++, GDPO): rewards [B] laid out by group."""
     group, slot, num_groups, size = group_layout(prompt_ids)
-    padded = components.new_zeros(num_groups, size)
-    padded[group, slot] = components.sum(dim=1)
-    is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=components.device)
+    group, slot = group.to(rewards.device), slot.to(rewards.device)
+    padded = rewards.new_zeros(num_groups, size)
+    padded[group, slot] = rewards
+    is_valid = torch.zeros(num_groups, size, dtype=torch.bool, device=rewards.device)
     is_valid[group, slot] = True
-    return advantages, _metrics(advantages, padded, is_valid)
+    return _metrics(advantages, padded, is_valid)
 
 
 def _metrics(advantages: Tensor, padded: Tensor, is_valid: Tensor) -> dict[str, float]:
