@@ -101,9 +101,9 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor parallelism by its own TP "
-         "plan but no sequence parallelism with it, CP = 1, no custom plan, no LoRA, no Automodel kwargs but "
-         "force_hf: true"),
+    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor "
+         "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, no LoRA, "
+         "no Automodel kwargs but force_hf: true"),
     Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
          "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
     Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
