@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
 from services.common.config import load_config
-from services.local import LocalStack, read_restarts
+from services.local import LocalStack, read_metrics, read_restarts
 
 STEPS = 14
 SAVE_PERIOD = 5
@@ -29,10 +30,12 @@ def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_bat
                              f"trainer.nproc_per_node={ranks}", "weight_sync.timeout_s=10"])
     with LocalStack(cfg, tmp_path) as stack:
         stack.start_services()
-        before = stack.wait_for(lambda rows: len(rows) >= KILL_AFTER, f"{KILL_AFTER} steps", timeout_s=600)
-        os.kill(stack.children.procs["trainer"].pid, signal.SIGKILL)
+        stack.wait_for(lambda rows: len(rows) >= 1, "a first step", timeout_s=600)
+        trainer = stack.children.procs["trainer"].pid
+        _freeze_after(trainer, tmp_path, KILL_AFTER)
         before = {r["step"]: r for r in _rows(tmp_path)}  # all steps finished before the kill
         resumed_at = _latest_checkpoint(tmp_path)
+        os.kill(trainer, signal.SIGKILL)  # the launcher; with 2 ranks they die with it (PDEATHSIG)
         after = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=900)
 
     assert "trainer" in [r["service"] for r in read_restarts(tmp_path)]
@@ -45,6 +48,19 @@ def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_bat
     for step in range(resumed_at):  # steps the checkpoint covers were not run again
         assert after[step] == before[step]
     assert (tmp_path / "checkpoints" / f"step_{STEPS}").is_dir()
+
+
+def _freeze_after(pid: int, run_dir, steps: int, timeout_s: float = 300) -> None:
+    """SIGSTOP the trainer's process group as soon as `steps` rows exist.
+
+    A tight poll and a freeze, not wait_for's 0.3 s poll and a kill: a tiny step takes ~0.1 s, and
+    a late kill that lands after the next checkpoint leaves no step to re-run.
+    """
+    deadline = time.monotonic() + timeout_s
+    while len(read_metrics(run_dir)) < steps:
+        assert time.monotonic() < deadline, f"no {steps} steps in {timeout_s} s"
+        time.sleep(0.01)
+    os.killpg(pid, signal.SIGSTOP)
 
 
 def _rows(run_dir) -> list[dict]:
