@@ -334,6 +334,37 @@ class MegatronConfig(Section):
     pipeline_model_parallel_size: int = Field(1, gt=0)
 
 
+class LoRAConfig(Section):
+    """NeMo RL `policy.dtensor_cfg.lora_cfg` (Automodel's PEFT keys): low-rank adapters on the FSDP2 trainer's
+    linear layers, base weights frozen; rollout gets the merged weights. services/trainer/lora.py."""
+
+    enabled: bool = False
+    target_modules: list[str] = []
+    """Patterns of the linear layers to adapt: a full dotted name or its last part, `*` any run of characters.
+    Empty, with exclude_modules empty and match_all_linear false: ["*_proj"]."""
+    exclude_modules: list[str] = []
+    """Adapt every linear layer but these (same patterns); exclusive with target_modules."""
+    match_all_linear: bool = False
+    """Adapt every linear layer, lm_head included unless tied to the embedding."""
+    dim: int = Field(8, gt=0)
+    """Rank of the update B A."""
+    alpha: float = Field(32, gt=0)
+    """The update is scaled by alpha / dim."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout_position: Literal["pre", "post"] = "post"
+    """Dropout on the adapter's input ("pre") or on its output ("post"); the base path never drops."""
+    lora_A_init: Literal["xavier", "kaiming"] = "xavier"
+    """A's initialisation as Automodel draws it: "xavier" is U(0, 1), "kaiming" nn.Linear's default. B starts at 0."""
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> LoRAConfig:
+        if self.target_modules and self.exclude_modules:
+            raise ValueError("set target_modules or exclude_modules, not both")
+        if self.match_all_linear and (self.target_modules or self.exclude_modules):
+            raise ValueError("match_all_linear adapts every linear layer; leave target_modules and exclude_modules empty")
+        return self
+
+
 class TinyModelConfig(Section):
     """Shape of the locally built model used when `policy.model_name` is "tiny"."""
 
@@ -419,6 +450,8 @@ class PolicyConfig(Section):
     cpu_offload: bool = False
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
+    lora_cfg: LoRAConfig = LoRAConfig()
+    """FSDP2, tensor_parallel_size 1."""
     megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
 
@@ -440,6 +473,10 @@ class PolicyConfig(Section):
         if self.megatron_cfg.enabled and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size is the FSDP2 backend's; Megatron-Core reads "
                              "megatron_cfg.tensor_model_parallel_size")
+        if self.lora_cfg.enabled and self.megatron_cfg.enabled:
+            raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
+        if self.lora_cfg.enabled and self.tensor_parallel_size > 1:
+            raise ValueError("lora_cfg with tensor_parallel_size > 1 is not built: the adapters are not split over TP")
         if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
             raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
                              "entropy does not take it")

@@ -75,7 +75,6 @@ def _dtensor(v: Any, tree: dict) -> bool:
     tp = get(tree, "policy.tensor_parallel_size", 1)  # moved out of dtensor_cfg before the rules run
     return (v.get("enabled", True) and v.get("context_parallel_size", 1) == 1
             and not (tp > 1 and v.get("sequence_parallel")) and v.get("custom_parallel_plan") is None
-            and not (v.get("lora_cfg") or {}).get("enabled")
             and all(AUTOMODEL_AS_FLYWHEEL.get(k, _MISSING) == x for k, x in (v.get("automodel_kwargs") or {}).items()))
 
 
@@ -102,8 +101,9 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
     Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
     Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor "
-         "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, no LoRA, "
+         "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, "
          "no Automodel kwargs but force_hf: true"),
+    Rule("policy.lora_cfg.use_triton", _any, "a kernel choice (Triton or not); the LoRA math is the same"),
     Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
          "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
     Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
@@ -162,7 +162,8 @@ RULES: tuple[Rule, ...] = (
 
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
-         "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size"}
+         "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
+         "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg"}
 """NeMo RL key -> the Flywheel key with the same meaning."""
 
 

@@ -15,7 +15,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from services.common.config import LoRAConfig
 from services.trainer.checkpoint import STEP_DIR
+from services.trainer.lora import apply_lora, merge_lora
 
 
 def resolve(path: str | Path) -> Path:
@@ -35,13 +37,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     returns the step_N directory read."""
     step_dir = resolve(checkpoint)
     hf = step_dir / "hf"
+    policy = yaml.safe_load((step_dir / "config.yaml").read_text())["policy"]
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf), dtype=torch.float32)
+    lora = LoRAConfig.model_validate(policy.get("lora_cfg") or {})
+    if lora.enabled:  # the checkpoint holds the adapters beside the frozen base; export merges them
+        apply_lora(model, lora, seed=0)
     state = model.state_dict()  # the parameters themselves: DCP loads into them in place
     dcp.load({"model": state}, checkpoint_id=str(step_dir / "policy"))
-    precision = yaml.safe_load((step_dir / "config.yaml").read_text())["policy"]["precision"]
-    model.to(getattr(torch, precision))
+    if lora.enabled:
+        state = merge_lora(state, lora.alpha / lora.dim)
+    dtype = getattr(torch, policy["precision"])
+    model.to(dtype)  # the saved config's dtype
     out = Path(out)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in state.items()}, safe_serialization=True)
     GenerationConfig.from_pretrained(hf).save_pretrained(out)
     AutoTokenizer.from_pretrained(hf).save_pretrained(out)
     return step_dir

@@ -36,6 +36,7 @@ from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
+from services.trainer.lora import adapters_off, apply_lora, merge_lora
 from services.trainer.optim import build_optimizer, build_scheduler
 from services.trainer.plan import logprob_plan, optimizer_steps, train_plan
 
@@ -57,14 +58,18 @@ class FSDP2Backend(TrainingBackend):
         self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
         model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
+        self.lora = cfg.policy.lora_cfg if cfg.policy.lora_cfg.enabled else None
+        if self.lora:
+            apply_lora(model, self.lora, cfg.run.seed)
         if cfg.policy.activation_checkpointing:  # per decoder layer, non-reentrant: composes with FSDP2
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._shard(model, offload=cfg.policy.cpu_offload)
         self.reference = None
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:  # a frozen copy of the initial weights
+        if cfg.loss_fn.reference_policy_kl_penalty > 0 and not self.lora:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
             self.reference = self._shard(reference.requires_grad_(False), offload=cuda)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.policy.optimizer)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # all but LoRA's frozen base
+        self.optimizer = build_optimizer(trainable, cfg.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
         self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
 
@@ -115,6 +120,15 @@ class FSDP2Backend(TrainingBackend):
             return None
         return self._all_logprobs(self.model, b, lengths)
 
+    def _reference_logprobs(self, b: TrainBatch, lengths: list[int]) -> Tensor | None:
+        """With LoRA the reference policy is the frozen base: the policy with its adapters off."""
+        if self.reference is not None:
+            return self._all_logprobs(self.reference, b, lengths)
+        if self.lora and self.cfg.loss_fn.reference_policy_kl_penalty > 0:
+            with adapters_off(self.model):
+                return self._all_logprobs(self.model, b, lengths)
+        return None
+
     # ---- training ------------------------------------------------------------------------------
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
@@ -123,7 +137,7 @@ class FSDP2Backend(TrainingBackend):
         t0 = time.perf_counter()
         steps = optimizer_steps(len(b), p.train_global_batch_size)
         prev = self._prev_logprobs(b, lengths, len(steps))
-        ref = self._all_logprobs(self.reference, b, lengths) if self.reference is not None else None
+        ref = self._reference_logprobs(b, lengths)
         t1 = time.perf_counter()
         data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, reference_logprobs=ref,
                           advantages=advantages, token_mask=b.token_mask, sample_mask=b.sample_mask)
@@ -167,6 +181,8 @@ class FSDP2Backend(TrainingBackend):
     def full_state_dict(self) -> dict[str, Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=self.device.type == "cpu")
         state = get_model_state_dict(self.model, options=opts)
+        if self.lora:
+            state = merge_lora(state, self.lora.alpha / self.lora.dim)
         return {k: v.to(self.publish_dtype) for k, v in state.items()}
 
     def save(self, directory: Path) -> None:

@@ -169,3 +169,26 @@ def test_gdpo_math_1b_loads_with_its_multi_reward_environment():
     assert (e.name, e.normalize_rewards, e.use_leave_one_out_baseline, e.reward_weights) == ("gdpo", True, False, None)
     assert cfg.data.train.dataset_name == "gsm8k" and cfg.data.train.env_name == "math_multi_reward"
     assert cfg.env.math_multi_reward.num_workers == 8 and cfg.policy.max_total_sequence_length == 1024
+
+
+def test_a_lora_recipes_lora_cfg_is_taken_with_automodels_defaults():
+    """As NeMo RL's grpo-qwen3-8B-base-1n8g-fsdp2-lora recipe sets it on grpo_math_1B's lora_cfg (match_all_linear,
+    Triton kernel): use_triton is a kernel choice, noted; the rest becomes policy.lora_cfg."""
+    cfg, notes = load(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "policy.dtensor_cfg.lora_cfg.enabled=true",
+                                                      "policy.dtensor_cfg.lora_cfg.dim=128",
+                                                      "policy.dtensor_cfg.lora_cfg.alpha=128"])
+    lora = cfg.policy.lora_cfg
+    assert (lora.enabled, lora.dim, lora.alpha, lora.match_all_linear, lora.lora_A_init) == (True, 128, 128, True,
+                                                                                              "xavier")
+    assert any(key == "policy.lora_cfg.use_triton" for key, _ in notes)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policy.lora_cfg.enabled=true", "policy.tensor_parallel_size=2"], "the adapters are not split over TP"),
+    (["policy.lora_cfg.enabled=true", "policy.megatron_cfg.enabled=true"], "Megatron-Core LoRA is not built"),
+    (["policy.lora_cfg.target_modules=[q_proj]", "policy.lora_cfg.exclude_modules=[lm_head]"], "not both"),
+    (["policy.lora_cfg.match_all_linear=true", "policy.lora_cfg.target_modules=[q_proj]"], "match_all_linear"),
+    (["policy.lora_cfg.lora_A_init=gaussian"], "lora_A_init")])
+def test_lora_settings_flywheel_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

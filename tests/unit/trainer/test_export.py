@@ -1,6 +1,7 @@
 """A checkpoint written by 2 FSDP2 ranks exports to a Hugging Face directory that transformers
 loads with identical logits to the trainer's own weights."""
 
+import pytest
 import torch
 from trainer_harness import config, run_ranks, step_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -12,8 +13,8 @@ from services.trainer.distributed import init_distributed
 from services.trainer.export import export_checkpoint
 
 
-def _train_and_save(rank: int, run_dir: str, out: str) -> None:
-    cfg = config(f"run.run_dir={run_dir}")
+def _train_and_save(rank: int, run_dir: str, out: str, extra: list[str]) -> None:
+    cfg = config(f"run.run_dir={run_dir}", *extra)
     info = init_distributed(120)
     backend = FSDP2Backend(cfg, info)
     backend.train_step(*step_batch(cfg))
@@ -23,9 +24,11 @@ def _train_and_save(rank: int, run_dir: str, out: str) -> None:
         torch.save(state, out)
 
 
-def test_export_reloads_in_transformers_with_identical_logits(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["policy.lora_cfg.enabled=true"]], ids=["full", "lora"])
+def test_export_reloads_in_transformers_with_identical_logits(tmp_path, extra):
+    """With LoRA the checkpoint holds base and adapters; the export is their merge, as rollout receives it."""
     weights = str(tmp_path / "trained.pt")
-    run_ranks(2, _train_and_save, str(tmp_path), weights)
+    run_ranks(2, _train_and_save, str(tmp_path), weights, extra)
     step_dir = export_checkpoint(tmp_path / "checkpoints", tmp_path / "hf")
     assert step_dir.name == "step_1"
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "generation_config.json").exists()

@@ -39,8 +39,9 @@ def _offloaded(model: torch.nn.Module) -> bool | None:
 @pytest.mark.parametrize("extra", [[], ["policy.activation_checkpointing=true"], ["policy.cpu_offload=true"],
                                    # SGD at lr 1: weights compare gradients (Adam's g / (|g| + eps) magnifies
                                    # the rounding of TP's other reduction order in near-zero gradients)
-                                   ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
-                         ids=["plain", "act_ckpt", "cpu_offload", "tp2"])
+                                   ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"],
+                                   ["policy.lora_cfg.enabled=true", "policy.activation_checkpointing=true"]],
+                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "lora"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run_ranks(1, _train_once, one, OVERRIDES + [e for e in extra if "tensor_parallel" not in e])  # TP needs 2

@@ -15,14 +15,14 @@ OVERRIDES = ["policy.train_micro_batch_size=5", "policy.train_global_batch_size=
              "total_iters: 4}}]"]
 
 
-def _setup(run_dir: str):
-    cfg = config(f"run.run_dir={run_dir}", *OVERRIDES)
+def _setup(run_dir: str, extra: list[str]):
+    cfg = config(f"run.run_dir={run_dir}", *OVERRIDES, *extra)
     info = init_distributed(120)
     return cfg, FSDP2Backend(cfg, info), Checkpointer(cfg, info.rank, info.world)
 
 
-def _uninterrupted(rank: int, run_dir: str, out: str) -> None:
-    cfg, backend, checkpointer = _setup(run_dir)
+def _uninterrupted(rank: int, run_dir: str, out: str, extra: list[str]) -> None:
+    cfg, backend, checkpointer = _setup(run_dir, extra)
     for step in range(2):
         backend.train_step(*step_batch(cfg, seed=step))
     checkpointer.save(backend, 2, {})
@@ -30,8 +30,8 @@ def _uninterrupted(rank: int, run_dir: str, out: str) -> None:
     _dump(rank, out, backend, metrics)
 
 
-def _resumed(rank: int, run_dir: str, out: str) -> None:
-    cfg, backend, checkpointer = _setup(run_dir)
+def _resumed(rank: int, run_dir: str, out: str, extra: list[str]) -> None:
+    cfg, backend, checkpointer = _setup(run_dir, extra)
     latest = checkpointer.latest()
     assert latest is not None and latest.name == "step_2"
     torch.manual_seed(999)  # what restoring the RNG state must undo
@@ -47,12 +47,14 @@ def _dump(rank, out, backend, metrics) -> None:
         torch.save({"state": state, "metrics": metrics, "rng": rng}, out)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resumed_step_matches_the_uninterrupted_step(tmp_path, world):
+@pytest.mark.parametrize("world, extra", [(1, []), (2, []), (2, ["policy.lora_cfg.enabled=true"])],
+                         ids=["1", "2", "2-lora"])
+def test_resumed_step_matches_the_uninterrupted_step(tmp_path, world, extra):
+    """With LoRA the optimizer holds only the adapters, and the checkpoint both them and the frozen base."""
     a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
-    run_ranks(world, _uninterrupted, str(tmp_path), a)
+    run_ranks(world, _uninterrupted, str(tmp_path), a, extra)
     assert not list((tmp_path / "checkpoints").glob("tmp_*"))
-    run_ranks(world, _resumed, str(tmp_path), b)
+    run_ranks(world, _resumed, str(tmp_path), b, extra)
     first, again = torch.load(a), torch.load(b)
     assert again["metrics"]["loss"] == pytest.approx(first["metrics"]["loss"], abs=1e-6)
     assert again["metrics"]["lr"] == first["metrics"]["lr"] < 0.01  # still warming up: the schedule came back
