@@ -738,11 +738,11 @@ class FlywheelConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _one_tokenizer(self) -> FlywheelConfig:
+    def _tiny_has_its_own_tokenizer(self) -> FlywheelConfig:
         name = self.policy.tokenizer.name
-        if name not in (None, self.policy.model_name):
-            raise ValueError(f"policy.tokenizer.name {name!r} differs from policy.model_name; a separate tokenizer "
-                             f"is not built")
+        if self.policy.model_name == "tiny" and name not in (None, "tiny"):
+            raise ValueError(f"policy.tokenizer.name {name!r}: the tiny model is built for its own character-level "
+                             f"tokenizer; leave the name null")
         return self
 
 

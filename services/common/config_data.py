@@ -131,7 +131,8 @@ class TokenizerConfig(Section):
     """NeMo RL `policy.tokenizer`."""
 
     name: str | None = None
-    """Must be the model's (null means the model's); a different tokenizer is not built."""
+    """A Hugging Face id or local path of the tokenizer, when it is not the model's (null: the model's), e.g. an
+    instruct model's tokenizer and chat template for its base model. Trainer, rollout and vLLM all load it."""
     chat_template: str | None = "default"
     """"default": the tokenizer's own; null: no template, the messages' text joined (base models); else a Jinja template."""
     chat_template_kwargs: dict[str, Any] | None = None

@@ -93,7 +93,7 @@ PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% 
 def load_tokenizer(cfg: PolicyConfig):
     if cfg.model_name == "tiny":
         return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer)
-    tok = AutoTokenizer.from_pretrained(cfg.model_name)
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return with_chat_template(tok, cfg.tokenizer)
@@ -112,6 +112,14 @@ def with_chat_template(tok, t):
     return tok
 
 
+def check_vocab(rows: int, tokenizer, cfg: PolicyConfig) -> None:
+    """A tokenizer with ids past the embedding's rows (another model's, policy.tokenizer.name) would index out of
+    range in the first forward; say so at load instead."""
+    if len(tokenizer) > rows:
+        raise ValueError(f"tokenizer {cfg.tokenizer.name or cfg.model_name!r} has {len(tokenizer)} tokens, more than "
+                         f"the {rows} embedding rows of {cfg.model_name!r}")
+
+
 def load_policy(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"):
     """(model, tokenizer) in train mode off; dtype from `cfg.precision`."""
     tokenizer = load_tokenizer(cfg)
@@ -121,6 +129,7 @@ def load_policy(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config(cfg, len(tokenizer)),
                                                      dtype=dtype)
+        check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, cfg)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval(), tokenizer
 

@@ -175,17 +175,17 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         p, v = self.cfg.policy, self.cfg.policy.generation.vllm_cfg
-        model = p.model_name
+        model, tokenizer = p.model_name, p.tokenizer.name or p.model_name
         if model == "tiny":
             self._model_dir = write_model_dir(meta, self.tokenizer, tempfile.mkdtemp(prefix="flywheel-vllm-"))
-            model = self._model_dir
+            model = tokenizer = self._model_dir
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(v.cpu_kvcache_space_gib))  # GiB; CPU only
         if v.tensor_parallel_size > 1 and not torch.cuda.is_available():
             # vLLM's CPU workers bind their threads per NUMA node and refuse TP > nodes unless told the cores
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                                   cpu_thread_binding(sorted(os.sched_getaffinity(0)), v.tensor_parallel_size))
         ours = dict(
-            model=model, tokenizer=model, dtype=p.precision, load_format="dummy", seed=self.cfg.run.seed,
+            model=model, tokenizer=tokenizer, dtype=p.precision, load_format="dummy", seed=self.cfg.run.seed,
             max_model_len=p.max_total_sequence_length, logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=EXTENSION, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager or not torch.cuda.is_available(), max_num_seqs=v.max_num_seqs,

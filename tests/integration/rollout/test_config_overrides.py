@@ -1,6 +1,7 @@
 """policy.hf_config_overrides on a local checkpoint: both engines build the model the trainer builds. The override
 (a large RMSNorm epsilon) changes every logprob of the tiny model, so an engine that dropped it would fail the
-logprob parity with the trainer. And policy.generation.vllm_kwargs reaches vLLM's engine config."""
+logprob parity with the trainer. policy.generation.vllm_kwargs reaches vLLM's engine config. And the checkpoint
+directory holds no tokenizer: both engines (vLLM's own detokenizer too) load the one policy.tokenizer.name names."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ PARITY = 1.05
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 async def test_an_engine_applies_the_config_overrides_the_trainer_applies(tmp_path, backend):
     tiny, tokenizer = load_policy(load_config().policy, seed=0)
-    tiny.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    cfg = load_config(None, [f"policy.model_name={tmp_path}", f"policy.generation.backend={backend}",
+    tiny.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    cfg = load_config(None, [f"policy.model_name={tmp_path / 'model'}", f"policy.tokenizer.name={tmp_path / 'tokenizer'}",
+                             f"policy.generation.backend={backend}",
                              "policy.max_total_sequence_length=96", "++policy.hf_config_overrides.rms_norm_eps=0.01",
                              "++policy.generation.vllm_kwargs.max_num_batched_tokens=1536"])
     engine = make_engine(cfg, f"test-{backend}")

@@ -142,3 +142,9 @@ def test_the_resolved_config_is_readable_by_its_owner_only(tmp_path):
     path = write_resolved(cfg, tmp_path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert load_config(str(path)).controller.auth_token == "s3cret"
+
+
+def test_the_tiny_model_refuses_another_tokenizer():
+    with pytest.raises(ConfigError, match="character-level tokenizer"):
+        load_config(None, ["policy.tokenizer.name=Qwen/Qwen2.5-1.5B"])
+    assert load_config(None, ["policy.model_name=/m", "policy.tokenizer.name=/t"]).policy.tokenizer.name == "/t"

@@ -1,5 +1,6 @@
 import logging
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -49,3 +50,20 @@ def test_a_nested_config_is_updated_in_place_and_an_unknown_attribute_is_set_wit
     assert config.text_config.rms_norm_eps == 1e-5 and config.text_config.hidden_size == 64
     assert config.not_an_attribute == 3
     assert "policy.hf_config_overrides.not_an_attribute" in caplog.text
+
+
+def test_a_separate_tokenizer_is_loaded_and_one_with_more_tokens_than_the_embedding_is_refused(tmp_path):
+    """policy.tokenizer.name, as NeMo RL's Nemotron base-model recipes name the instruct model's tokenizer."""
+    tiny, tokenizer = load_policy(PolicyConfig(), seed=7)
+    tiny.save_pretrained(tmp_path / "model")
+    tokenizer.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    cfg = PolicyConfig(model_name=str(tmp_path / "model"), tokenizer={"name": str(tmp_path / "tokenizer")})
+    _, loaded = load_policy(cfg, seed=0)
+    assert loaded.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<<x>>"
+
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(tmp_path / "bigger")
+    bigger = PolicyConfig(model_name=str(tmp_path / "model"), tokenizer={"name": str(tmp_path / "bigger")})
+    with pytest.raises(ValueError, match=r"has \d+ tokens, more than the \d+ embedding rows"):
+        load_policy(bigger, seed=0)
