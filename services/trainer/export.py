@@ -44,12 +44,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         apply_lora(model, lora, seed=0)
     state = model.state_dict()  # the parameters themselves: DCP loads into them in place
     dcp.load({"model": state}, checkpoint_id=str(step_dir / "policy"))
-    if lora.enabled:
-        state = merge_lora(state, lora.alpha / lora.dim)
     dtype = getattr(torch, policy["precision"])
-    model.to(dtype)  # the saved config's dtype
+    model.to(dtype)
+    merged = {k: v.to(dtype) for k, v in merge_lora(state, lora.alpha / lora.dim).items()} if lora.enabled else None
     out = Path(out)
-    model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in state.items()}, safe_serialization=True)
+    model.save_pretrained(out, state_dict=merged, safe_serialization=True)
     GenerationConfig.from_pretrained(hf).save_pretrained(out)
     AutoTokenizer.from_pretrained(hf).save_pretrained(out)
     return step_dir
