@@ -154,6 +154,10 @@ class GRPOConfig(Section):
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     overlong_filtering: bool = False
     """Truncated samples get zero loss weight."""
+    seq_logprob_error_threshold: float | None = Field(None, ge=1)
+    """A sample whose engine and trainer logprobs disagree by more than this (token_mult_prob_error over its own
+    tokens, mean exp(|gen - prev|) >= 1) gets zero loss weight; the trainer then computes prev logprobs before
+    the step. Null: no masking. FSDP2, GRPO advantages."""
 
     @property
     def max_staleness(self) -> int:
@@ -169,6 +173,14 @@ class GRPOConfig(Section):
             e.normalize_rewards = self.normalize_rewards
         if e.use_leave_one_out_baseline is None:
             e.use_leave_one_out_baseline = self.use_leave_one_out_baseline
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_masking_before_whitening(self) -> GRPOConfig:
+        if self.seq_logprob_error_threshold is not None and self.adv_estimator.name != "grpo":
+            raise ValueError(f"seq_logprob_error_threshold with adv_estimator {self.adv_estimator.name!r} is not built: "
+                             "NeMo RL masks before that estimator whitens over the step's sequences, and Flywheel "
+                             "computes advantages before the trainer's logprobs")
         return self
 
     @model_validator(mode="after")
@@ -735,6 +747,12 @@ class FlywheelConfig(Section):
                 raise ValueError(f"environment {spec.name!r}: timeout_s {spec.timeout_s:g} must be below "
                                  f"rollout.step_timeout_s ({limit:g}), the deadline of rollout's Step calls, which "
                                  f"would cut it first")
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_masking_is_fsdp2s(self) -> FlywheelConfig:
+        if self.grpo.seq_logprob_error_threshold is not None and self.policy.megatron_cfg.enabled:
+            raise ValueError("grpo.seq_logprob_error_threshold is the FSDP2 backend's; Megatron-Core does not take it")
         return self
 
     @model_validator(mode="after")

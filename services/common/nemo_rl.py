@@ -84,7 +84,6 @@ RULES: tuple[Rule, ...] = (
     Rule("grpo.batch_multiplier", lambda v, tree: v == 1 or (get(tree, "grpo.use_dynamic_sampling") and v >= 1),
          "over-generation for dynamic sampling: Flywheel's controller leases a new prompt for each group dynamic "
          "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),
-    Rule("grpo.seq_logprob_error_threshold", _is(None), "masking by sequence logprob error is not built"),
     Rule("grpo.invalid_tool_call_advantage", _is(None), "tool-call advantage overrides are not built"),
     Rule("grpo.malformed_thinking_advantage", _is(None), "thinking-tag advantage overrides are not built"),
     Rule("grpo.val_batch_size", _any, "validation prompts go to rollout one request each; the engine batches"),

@@ -8,7 +8,7 @@ function returns `(value, metrics)` where it has metrics. Semantics follow NeMo 
 from services.trainer.algorithms.advantages import (compute_advantages, gdpo_advantages, group_layout,
                                                     reinforce_plus_plus_advantages)
 from services.trainer.algorithms.dapo import overlong_reward_penalty
-from services.trainer.algorithms.importance import actor_importance_weights, mismatch_metrics
+from services.trainer.algorithms.importance import actor_importance_weights, mask_by_sequence_error, mismatch_metrics
 from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
 from services.trainer.algorithms.loss import LossInputs, clipped_pg_loss, reduce_per_token
 
@@ -20,6 +20,7 @@ __all__ = [
     "compute_advantages",
     "gdpo_advantages",
     "group_layout",
+    "mask_by_sequence_error",
     "mismatch_metrics",
     "overlong_reward_penalty",
     "reduce_per_token",

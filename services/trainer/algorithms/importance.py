@@ -129,3 +129,34 @@ def mismatch_metrics(
         "policy_kl_error": global_share(policy_kl, mask, n),
         "js_divergence_error": global_share(0.5 * to_mixture_prev + 0.5 * to_mixture_gen, mask, n),
     }
+
+
+def mask_by_sequence_error(
+    prev_logprobs: Tensor,
+    generation_logprobs: Tensor,
+    token_mask: Tensor,
+    sample_mask: Tensor,
+    rewards: Tensor,
+    threshold: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """NeMo RL's grpo.seq_logprob_error_threshold: drop the sequences the engine and the trainer disagree on.
+
+    A sequence's error is token_mult_prob_error over its own loss tokens, mean_t exp(|gen - prev|); one above
+    `threshold` leaves the loss (sample_mask 0). Returns the new [B] sample_mask and NeMo RL's metrics: the
+    errors' max/mean/min over sequences with loss tokens, before and after the mask (0 when none is left),
+    num_masked_seqs_by_logprob_error, and masked_correct_pct (the share of masked sequences with reward 1).
+    """
+    mask = token_mask * sample_mask[:, None]
+    tokens = mask.sum(-1)
+    valid = tokens > 0
+    errors = (torch.exp((generation_logprobs - prev_logprobs).abs() * mask) * mask).sum(-1) / tokens.clamp(min=1)
+    kept = (errors <= threshold).to(sample_mask.dtype) * sample_mask
+    masked = (sample_mask - kept).bool()
+    n_masked = int(masked.sum())
+    metrics = {"num_masked_seqs_by_logprob_error": float(n_masked),
+               "masked_correct_pct": (rewards[masked] == 1).float().mean().item() if n_masked else 0.0}
+    for suffix, rows in (("", valid), ("_after_mask", valid & kept.bool())):
+        picked = errors[rows]
+        for stat in ("max", "mean", "min"):
+            metrics[f"{stat}_seq_mult_prob_error{suffix}"] = getattr(picked, stat)().item() if picked.numel() else 0.0
+    return kept, metrics

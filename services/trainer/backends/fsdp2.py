@@ -13,6 +13,7 @@ weights are cast to the configured precision only when they are published.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
-from services.trainer.algorithms import LossInputs, clipped_pg_loss
+from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
@@ -120,6 +121,23 @@ class FSDP2Backend(TrainingBackend):
             return None
         return self._all_logprobs(self.model, b, lengths)
 
+    def _mask_by_sequence_error(self, b: TrainBatch, lengths: list[int], prev: Tensor | None
+                                ) -> tuple[TrainBatch, dict[str, float]]:
+        """grpo.seq_logprob_error_threshold: the batch with the samples the engine got wrong out of the loss, the same
+        on every rank. It needs the weights' logprobs of every row before the step: `prev` when the step computed
+        them (several optimizer steps), else one more forward; the loss keeps its own prev either way."""
+        threshold = self.cfg.grpo.seq_logprob_error_threshold
+        if threshold is None:
+            return b, {}
+        logprobs = prev if prev is not None else self._all_logprobs(self.model, b, lengths)
+        if self.dp > 1:  # each data-parallel rank has its own rows (zeros elsewhere): the sum is every row
+            summed = logprobs.to(self.device, copy=True)
+            dist.all_reduce(summed, group=self.mesh["dp"].get_group())
+            logprobs = summed.cpu()
+        sample_mask, metrics = mask_by_sequence_error(logprobs, b.generation_logprobs, b.token_mask, b.sample_mask,
+                                                      b.rewards, threshold)
+        return dataclasses.replace(b, sample_mask=sample_mask), metrics
+
     def _reference_logprobs(self, b: TrainBatch, lengths: list[int]) -> Tensor | None:
         """With LoRA the reference policy is the frozen base: the policy with its adapters off."""
         if self.reference is not None:
@@ -137,6 +155,7 @@ class FSDP2Backend(TrainingBackend):
         t0 = time.perf_counter()
         steps = optimizer_steps(len(b), p.train_global_batch_size)
         prev = self._prev_logprobs(b, lengths, len(steps))
+        b, masking = self._mask_by_sequence_error(b, lengths, prev)
         ref = self._reference_logprobs(b, lengths)
         t1 = time.perf_counter()
         data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, reference_logprobs=ref,
@@ -151,8 +170,8 @@ class FSDP2Backend(TrainingBackend):
             self.model.eval()
         self.scheduler.step()
         # This rank's wall time: recomputing prev (if needed) and reference logprobs, then the optimizer steps.
-        return _mean_over_steps(reports) | {"timing/train/logprobs": t1 - t0,
-                                            "timing/train/optimizer": time.perf_counter() - t1}
+        return _mean_over_steps(reports) | masking | {"timing/train/logprobs": t1 - t0,
+                                                      "timing/train/optimizer": time.perf_counter() - t1}
 
     def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
                         micro_batches: list[list[int]]) -> dict[str, float]:
