@@ -380,7 +380,9 @@ class LoRAConfig(Section):
 class TinyModelConfig(Section):
     """Shape of the locally built model used when `policy.model_name` is "tiny"."""
 
-    architecture: Literal["llama", "qwen2"] = "llama"
+    architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """The Hugging Face class family: qwen2 adds q/k/v biases, qwen3 per-head q/k norms (its TP plan's
+    replicated_with_grad_allreduce layers)."""
     hidden_size: int = Field(64, gt=0)
     num_hidden_layers: int = Field(2, gt=0)
     num_attention_heads: int = Field(2, gt=0)

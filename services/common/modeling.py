@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
 from services.common.config import PolicyConfig
 
@@ -48,13 +48,13 @@ def model_config(cfg: PolicyConfig, vocab_size: int) -> PretrainedConfig:
     applied: the trainer and both rollout engines build the model from it."""
     if cfg.model_name == "tiny":
         shape = cfg.tiny
-        config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.architecture]
+        config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[shape.architecture]
         config = config_cls(
             vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
             num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
             num_key_value_heads=shape.num_attention_heads, tie_word_embeddings=False,
             max_position_embeddings=max(256, cfg.max_total_sequence_length), pad_token_id=0, bos_token_id=1,
-            eos_token_id=2)
+            eos_token_id=2, head_dim=shape.hidden_size // shape.num_attention_heads)  # Qwen3 would default to 128
     else:
         config = AutoConfig.from_pretrained(cfg.model_name)
     apply_overrides(config, cfg.hf_config_overrides)

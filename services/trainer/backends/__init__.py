@@ -3,7 +3,8 @@
 The trainer loop (services/trainer/main.py) never branches on the backend. Every method
 here is a collective: all ranks call it, in the same order (main.py's Lockstep sees to it).
 
-- fsdp2.py: torch FSDP2 (`fully_shard`) over the data-parallel ranks; CPU (gloo) or GPU (NCCL).
+- fsdp2.py: torch FSDP2 (`fully_shard`) over the data-parallel ranks; CPU (gloo) or GPU (NCCL);
+  tensor_parallel.py splits the model over TP ranks first, by its Hugging Face plan.
 - megatron.py: Megatron-Core with tensor and pipeline parallelism; CUDA only.
 """
 

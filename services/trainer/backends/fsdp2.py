@@ -26,8 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
@@ -35,6 +34,7 @@ from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_seq
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
+from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
 from services.trainer.lora import adapters_off, apply_lora, merge_lora
@@ -65,6 +65,8 @@ class FSDP2Backend(TrainingBackend):
         if cfg.policy.activation_checkpointing:  # per decoder layer, non-reentrant: composes with FSDP2
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._shard(model, offload=cfg.policy.cpu_offload)
+        self.tp_summed = grad_allreduce_params(self.model) if self.tp > 1 else []
+        """Parameters whose gradients are summed over the TP group (after FSDP2 made them its own)."""
         self.reference = None
         if cfg.loss_fn.reference_policy_kl_penalty > 0 and not self.lora:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
@@ -187,6 +189,7 @@ class FSDP2Backend(TrainingBackend):
             (loss * (self.dp if rows else 0.0)).backward()  # FSDP averages over dp; an empty micro-batch adds 0
             if rows:
                 metrics = combine_metrics(metrics, m)
+        sum_over_tp(self.tp_summed, self.mesh["tp"])
         metrics = _combine_over_ranks(metrics, self.mesh["dp"])  # a TP group's ranks report the same rows
         max_norm = self.cfg.policy.max_grad_norm or float("inf")
         norm = clip_grad_norm(list(self.model.parameters()), max_norm)
@@ -233,30 +236,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
                          "FSDP2 shards a model one decoder layer at a time")
     return layers
-
-
-def tensor_parallel(model: torch.nn.Module, mesh) -> None:
-    """Split the model over the TP `mesh` by its own Hugging Face plan (`config.base_model_tp_plan`: attention
-    q/k/v and MLP gate/up by output columns, o/down by input rows, so each block needs one all-reduce), and
-    lm_head by output columns, gathered back whole for the log-softmax. Embeddings and norms stay whole.
-    A tied lm_head stays whole too: splitting it would split the embedding it shares."""
-    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    odd = sorted({style for style in plan.values()} - set(TP_STYLES))
-    if not plan or odd:
-        raise ValueError(f"{type(model).__name__}: policy.tensor_parallel_size > 1 needs a Hugging Face TP plan of "
-                         f"{' and '.join(TP_STYLES)} layers; this model's is {plan or 'missing'}")
-    size, c = mesh.size(), model.config
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(c, name, None) or c.num_attention_heads
-        if heads % size:
-            raise ValueError(f"{name} {heads} is not divisible by policy.tensor_parallel_size {size}")
-    parallelize_module(model.base_model, mesh, {key: TP_STYLES[style]() for key, style in plan.items()})
-    if not getattr(c, "tie_word_embeddings", False):
-        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
-
-
-TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-"""The Hugging Face plan styles Flywheel applies (dense decoders); MoE and packed styles are refused."""
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:

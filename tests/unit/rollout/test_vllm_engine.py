@@ -25,7 +25,7 @@ def test_importing_the_backend_imports_no_vllm():
 
 
 @pytest.mark.parametrize("arch,precision,overrides", [
-    ("llama", "float32", []), ("qwen2", "bfloat16", []), ("llama", "float16", []),
+    ("llama", "float32", []), ("qwen2", "bfloat16", []), ("llama", "float16", []), ("qwen3", "float32", []),
     ("qwen2", "float32", ["++policy.hf_config_overrides.intermediate_size=40"]),  # both sides build the new shape
 ])
 def test_staged_layout_is_the_trainers_state_dict(arch, precision, overrides):

@@ -40,11 +40,14 @@ def _offloaded(model: torch.nn.Module) -> bool | None:
                                    # SGD at lr 1: weights compare gradients (Adam's g / (|g| + eps) magnifies
                                    # the rounding of TP's other reduction order in near-zero gradients)
                                    ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"],
+                                   # Qwen3's per-head q_norm/k_norm: whole on each TP rank, gradients summed over TP
+                                   ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}",
+                                    "policy.tiny.architecture=qwen3"],
                                    ["policy.lora_cfg.enabled=true", "policy.activation_checkpointing=true"],
                                    # masks some of the batch's samples; SGD as for tp2 (an embedding row's gradient
                                    # that the masked samples leave near zero is rounding, which Adam magnifies)
                                    ["grpo.seq_logprob_error_threshold=20", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
-                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "lora", "seq_mask"])
+                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "tp2_qwen3", "lora", "seq_mask"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run_ranks(1, _train_once, one, OVERRIDES + [e for e in extra if "tensor_parallel" not in e])  # TP needs 2
