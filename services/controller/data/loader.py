@@ -151,6 +151,8 @@ def _read(key: str, path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise DataError(f"{key}: {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{key}: {path}: not UTF-8 text (at offset {err.start})") from None

@@ -35,8 +35,9 @@ def records(path: str, *, subset: str | None = None, split: str | None = None) -
 
 
 def _jsonl(p: Path) -> Iterator[tuple[str, object]]:
-    with p.open() as f:
-        for n, line in enumerate(f, 1):
+    with p.open("rb") as f:  # bytes, decoded line by line: a line that is not UTF-8 is named
+        for n, raw in enumerate(f, 1):
+            line = _utf8(raw, f"{p}:{n}")
             if line.strip():
                 try:
                     yield f"{p}:{n}", json.loads(line)
@@ -46,12 +47,20 @@ def _jsonl(p: Path) -> Iterator[tuple[str, object]]:
 
 def _json(p: Path) -> Iterator[tuple[str, object]]:
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(_utf8(p.read_bytes(), str(p)))
     except json.JSONDecodeError as err:
         raise SourceError(f"{p}:{err.lineno}: not valid JSON: {err.msg}") from None
     if not isinstance(data, list):
         raise SourceError(f"{p}: a .json dataset must be a list of objects")
     yield from _numbered(str(p), data)
+
+
+def _utf8(data: bytes, where: str) -> str:
+    """`data` as UTF-8 (JSON's encoding), or an error naming `where` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SourceError(f"{where}: not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start})") from None
 
 
 def _numbered(where: str, rows) -> Iterator[tuple[str, object]]:

@@ -193,3 +193,14 @@ def test_repeat_gives_the_rows_that_many_times_over_as_nemo_rls_aime_validation(
                           f"data.validation.data_path={aime}"))
     assert [r.messages[0].content for r in data.validation[0].rows] == ["p0", "p1"] * 3
     assert len(data.train[0].rows) == 1
+
+
+@pytest.mark.parametrize("name, where", [("train.jsonl", ":2: not UTF-8 text (byte 0xff at offset 1)"),
+                                         ("train.json", ": not UTF-8 text (byte 0xff at offset 42)")])
+def test_a_file_that_is_not_utf8_is_one_error_naming_file_line_and_byte(tmp_path, name, where):
+    """A fuzz run found a SubmitEnvironment naming such a file answered INTERNAL (UnicodeDecodeError)."""
+    path = tmp_path / name
+    path.write_bytes(b'{"problem": "a", "expected_answer": "1"}\n\x00\xff not json\n')
+    with pytest.raises(DataError) as err:
+        load_rows(str(path))
+    assert f"{path}{where}" in str(err.value)
