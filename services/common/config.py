@@ -368,6 +368,11 @@ class LoRAConfig(Section):
     lora_A_init: Literal["xavier", "kaiming"] = "xavier"
     """A's initialisation as Automodel draws it: "xavier" is U(0, 1), "kaiming" nn.Linear's default. B starts at 0."""
 
+    @property
+    def scale(self) -> float:
+        """The factor on B A: alpha / dim."""
+        return self.alpha / self.dim
+
     @model_validator(mode="after")
     def _one_selection(self) -> LoRAConfig:
         if self.target_modules and self.exclude_modules:
@@ -468,6 +473,11 @@ class PolicyConfig(Section):
     """FSDP2, tensor_parallel_size 1."""
     megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Where the tokenizer comes from: tokenizer.name, else the model's own."""
+        return self.tokenizer.name or self.model_name
 
     @model_validator(mode="after")
     def _scheduler_list(self) -> PolicyConfig:

@@ -93,7 +93,7 @@ PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% 
 def load_tokenizer(cfg: PolicyConfig):
     if cfg.model_name == "tiny":
         return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer)
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer.name or cfg.model_name)
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return with_chat_template(tok, cfg.tokenizer)
@@ -116,7 +116,7 @@ def check_vocab(rows: int, tokenizer, cfg: PolicyConfig) -> None:
     """A tokenizer with ids past the embedding's rows (another model's, policy.tokenizer.name) would index out of
     range in the first forward; say so at load instead."""
     if len(tokenizer) > rows:
-        raise ValueError(f"tokenizer {cfg.tokenizer.name or cfg.model_name!r} has {len(tokenizer)} tokens, more than "
+        raise ValueError(f"tokenizer {cfg.tokenizer_name!r} has {len(tokenizer)} tokens, more than "
                          f"the {rows} embedding rows of {cfg.model_name!r}")
 
 

@@ -46,7 +46,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     dcp.load({"model": state}, checkpoint_id=str(step_dir / "policy"))
     dtype = getattr(torch, policy["precision"])
     model.to(dtype)
-    merged = {k: v.to(dtype) for k, v in merge_lora(state, lora.alpha / lora.dim).items()} if lora.enabled else None
+    merged = {k: v.to(dtype) for k, v in merge_lora(state, lora.scale).items()} if lora.enabled else None
     out = Path(out)
     model.save_pretrained(out, state_dict=merged, safe_serialization=True)
     GenerationConfig.from_pretrained(hf).save_pretrained(out)

@@ -43,7 +43,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(cfg.dim, base.out_features, bias=False, **kind)
         init_lora_a(self.lora_A.weight, cfg.lora_A_init)
         nn.init.zeros_(self.lora_B.weight)
-        self.scale = cfg.alpha / cfg.dim
+        self.scale = cfg.scale
         self.dropout, self.dropout_position = cfg.dropout, cfg.dropout_position
         self.enabled = True
 

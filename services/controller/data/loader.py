@@ -12,7 +12,7 @@ from services.common.config_data import NAMED_DATASETS, DatasetConfig
 from services.common.pb.flywheel.v1 import types_pb2
 from services.controller.data.plan import holdout, planned_steps
 from services.controller.data.rows import RowError, Templates, check_prompt_template, to_row
-from services.controller.data.sources import SourceError, records
+from services.controller.data.sources import SourceError, decode_utf8, records
 
 
 class DataError(ValueError):
@@ -151,8 +151,8 @@ def _read(key: str, path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return decode_utf8(Path(path).read_bytes(), f"{key}: {path}")
     except OSError as err:
         raise DataError(f"{key}: {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{key}: {path}: not UTF-8 text (at offset {err.start})") from None
+    except SourceError as err:
+        raise DataError(str(err)) from None

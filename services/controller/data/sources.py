@@ -37,7 +37,7 @@ def records(path: str, *, subset: str | None = None, split: str | None = None) -
 def _jsonl(p: Path) -> Iterator[tuple[str, object]]:
     with p.open("rb") as f:  # bytes, decoded line by line: a line that is not UTF-8 is named
         for n, raw in enumerate(f, 1):
-            line = _utf8(raw, f"{p}:{n}")
+            line = decode_utf8(raw, f"{p}:{n}")
             if line.strip():
                 try:
                     yield f"{p}:{n}", json.loads(line)
@@ -47,7 +47,7 @@ def _jsonl(p: Path) -> Iterator[tuple[str, object]]:
 
 def _json(p: Path) -> Iterator[tuple[str, object]]:
     try:
-        data = json.loads(_utf8(p.read_bytes(), str(p)))
+        data = json.loads(decode_utf8(p.read_bytes(), str(p)))
     except json.JSONDecodeError as err:
         raise SourceError(f"{p}:{err.lineno}: not valid JSON: {err.msg}") from None
     if not isinstance(data, list):
@@ -55,7 +55,7 @@ def _json(p: Path) -> Iterator[tuple[str, object]]:
     yield from _numbered(str(p), data)
 
 
-def _utf8(data: bytes, where: str) -> str:
+def decode_utf8(data: bytes, where: str) -> str:
     """`data` as UTF-8 (JSON's encoding), or an error naming `where` and the first bad byte."""
     try:
         return data.decode("utf-8")

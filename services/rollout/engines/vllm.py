@@ -175,7 +175,7 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         p, v = self.cfg.policy, self.cfg.policy.generation.vllm_cfg
-        model, tokenizer = p.model_name, p.tokenizer.name or p.model_name
+        model, tokenizer = p.model_name, p.tokenizer_name
         if model == "tiny":
             self._model_dir = write_model_dir(meta, self.tokenizer, tempfile.mkdtemp(prefix="flywheel-vllm-"))
             model = tokenizer = self._model_dir

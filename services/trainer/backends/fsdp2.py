@@ -204,7 +204,7 @@ class FSDP2Backend(TrainingBackend):
         opts = StateDictOptions(full_state_dict=True, cpu_offload=self.device.type == "cpu")
         state = get_model_state_dict(self.model, options=opts)
         if self.lora:
-            state = merge_lora(state, self.lora.alpha / self.lora.dim)
+            state = merge_lora(state, self.lora.scale)
         return {k: v.to(self.publish_dtype) for k, v in state.items()}
 
     def save(self, directory: Path) -> None:

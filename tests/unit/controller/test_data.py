@@ -204,3 +204,11 @@ def test_a_file_that_is_not_utf8_is_one_error_naming_file_line_and_byte(tmp_path
     with pytest.raises(DataError) as err:
         load_rows(str(path))
     assert f"{path}{where}" in str(err.value)
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_key_the_file_and_the_byte(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"problem": "a", "expected_answer": "1"}])
+    prompt = tmp_path / "cot.txt"
+    prompt.write_bytes(b"\xff{}")
+    with pytest.raises(DataError, match=rf"data.train.prompt_file: {prompt}: not UTF-8 text \(byte 0xff at offset 0\)"):
+        load_data(_cfg(tmp_path, train, f"data.train.prompt_file={prompt}"))

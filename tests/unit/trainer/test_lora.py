@@ -35,7 +35,7 @@ def _logits(model, tokenizer):
 def test_the_merged_weights_rollout_receives_give_the_adapted_models_logits():
     lora = LoRAConfig(enabled=True, match_all_linear=True, dim=4, alpha=8)
     model, tokenizer, cfg = _adapted(lora)
-    merged = merge_lora(model.state_dict(), lora.alpha / lora.dim)
+    merged = merge_lora(model.state_dict(), lora.scale)
     plain, _ = load_policy(cfg.policy, seed=7)  # other weights: all must come from `merged`
     plain.load_state_dict(merged)  # strict: the Hugging Face names exactly, no adapter left over
     torch.testing.assert_close(_logits(plain, tokenizer), _logits(model, tokenizer), rtol=0, atol=1e-5)
