@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
 
+# The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
 test: setup
-	$(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
+	tests/with_system_tools.sh $(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
 
 proto: setup
 	$(PY) -m services.common.protogen

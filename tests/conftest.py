@@ -25,14 +25,14 @@ def redis_server(tmp_path) -> Server:
 
 
 def require_tools(*tools: str) -> None:
-    """Skip unless every named tool is on PATH; under CI (FLYWHEEL_CI=1, set by .ci/run, which
-    installs them) a missing tool fails instead, so a set-up gap cannot hide as a skip."""
+    """Skip unless every named tool is on PATH. `make test` installs them (tests/with_system_tools.sh); under
+    CI (FLYWHEEL_CI=1) a missing tool fails instead, so a set-up gap cannot hide as a skip."""
     missing = [t for t in tools if not shutil.which(t)]
     if not missing:
         return
     message = f"not installed: {', '.join(missing)}"
     if os.environ.get("FLYWHEEL_CI") == "1":
-        pytest.fail(f"{message} (CI installs them: .ci/run)")
+        pytest.fail(f"{message} (make test installs them: tests/with_system_tools.sh)")
     pytest.skip(message)
 
 

@@ -2,8 +2,8 @@
 configured number of steps, bring everything down, and leave nothing running.
 
 It runs wherever a Docker engine answers; without one (or without docker-compose or debootstrap) it skips,
-and under CI (FLYWHEEL_CI=1) it fails instead: `.ci/run` installs Debian's docker.io, docker-compose and
-debootstrap and starts dockerd when none answers.
+and under CI (FLYWHEEL_CI=1) it fails instead. `make test` runs the suite through tests/with_system_tools.sh,
+which installs Debian's docker.io, docker-compose and debootstrap and starts dockerd when none answers.
 
 What it builds: the local Debian base (deploy/compose/make_base.sh, cached as a tarball) unless
 FLYWHEEL_BASE_IMAGE names one, then flywheel:infra, flywheel:light and flywheel:cpu. The CPU image is
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.infra import free_port
 from services.common.jsonl import complete_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ IMAGES = {"nats": "flywheel:infra", "environment": "flywheel:light", "trainer-cp
 def _unavailable(message: str) -> None:
     """Skip, except under CI (FLYWHEEL_CI=1), which sets the engine up and must not hide a gap as a skip."""
     if os.environ.get("FLYWHEEL_CI") == "1":
-        pytest.fail(f"{message} (CI starts dockerd: .ci/run)")
+        pytest.fail(f"{message} (make test starts dockerd: tests/with_system_tools.sh)")
     pytest.skip(message)
 
 
@@ -115,8 +116,9 @@ def test_compose_up_with_the_cpu_override_trains_and_leaves_nothing_running(tmp_
                                  "GRAFANA_ADMIN_PASSWORD")))
     project = f"flywheeltest{os.getpid()}"
     (tmp_path / "data").mkdir()  # the controller's dataset mount; the toy task reads none
+    # A free host port for the admin API: another project on the same engine may hold 50051.
     env = {**os.environ, "FLYWHEEL_BASE_IMAGE": base, "FLYWHEEL_DATA_DIR": str(tmp_path / "data"),
-           "FLYWHEEL_EXTRA_PIP": ""}
+           "FLYWHEEL_EXTRA_PIP": "", "FLYWHEEL_CONTROLLER_PORT": str(free_port())}
     files = ["docker-compose.yml", "docker-compose.cpu.yml"]
     if _run(["docker", "network", "inspect", "bridge"], 60).returncode != 0:
         env["FLYWHEEL_BUILD_NETWORK"] = "host"
