@@ -46,10 +46,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from services.trainer.export import export_checkpoint
+    from services.trainer.export import export_adapter, export_checkpoint
 
-    step_dir = export_checkpoint(args.checkpoint, args.out)
-    print(f"exported {step_dir} -> {args.out}", flush=True)
+    try:
+        step_dir = (export_adapter if args.adapter else export_checkpoint)(args.checkpoint, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"export: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(f"exported {step_dir} -> {args.out}{' (PEFT adapter)' if args.adapter else ''}", flush=True)
     return 0
 
 
@@ -141,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a trainer checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a step_N checkpoint, or a checkpoint_dir (its newest step_N)")
     export.add_argument("out", help="output directory (safetensors, config, tokenizer, generation config)")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapters alone, in PEFT's format (for vLLM LoRA requests, PEFT), "
+                             "instead of the merged model")
     export.set_defaults(func=cmd_export)
 
     def run_finder(p: argparse.ArgumentParser) -> None:
