@@ -4,6 +4,10 @@ Hugging Face models describe their TP layout in `config.base_model_tp_plan` (mod
 dense decoders' plans use three styles, all applied here: colwise and rowwise split the linear layers
 (torch's ColwiseParallel/RowwiseParallel), and replicated_with_grad_allreduce marks the layers every rank holds
 whole but applies to its own heads only (Qwen3's q_norm/k_norm), whose gradients the step sums over TP.
+
+A LoRA layer (services/trainer/lora.py) is split with its base: colwise, A stays whole and B is split by output
+rows like W, so B A x comes out split as W x does; rowwise, A is split by input columns like W and B stays whole,
+so B A x comes out as a partial sum that the layer's all-reduce completes with W x's.
 """
 
 from __future__ import annotations
@@ -12,10 +16,33 @@ import fnmatch
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+class Colwise(ColwiseParallel):
+    """torch's ColwiseParallel, and a LoRA layer's adapters with it: lora_A whole, lora_B split like W.
+    (torch's own registers every parameter of the subtree under the layer, dotted names included, which fails.)"""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placement = Replicate() if name == "lora_A" else Shard(0)  # name: the submodule's, "" for the layer
+        for key, param in module.named_parameters(recurse=False):
+            module.register_parameter(key, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class Rowwise(RowwiseParallel):
+    """torch's RowwiseParallel, and a LoRA layer's adapters with it: lora_A split like W, lora_B whole (what the
+    module leaves unsplit, distribute_module replicates)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name != "lora_B":
+            super()._partition_linear_fn(name, module, device_mesh)
+
+
+TP_STYLES = {"colwise": Colwise, "rowwise": Rowwise}
 """The Hugging Face plan styles Flywheel applies (dense decoders); MoE and packed styles are refused."""
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
@@ -40,7 +67,7 @@ def tensor_parallel(model: torch.nn.Module, mesh) -> None:
             raise ValueError(f"{name} {heads} is not divisible by policy.tensor_parallel_size {size}")
     parallelize_module(model.base_model, mesh, {key: TP_STYLES[style]() for key, style in plan.items()})
     if not getattr(c, "tie_word_embeddings", False):
-        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(model, mesh, {"lm_head": Colwise(output_layouts=Replicate())})
 
 
 def _tp_plan(model: torch.nn.Module) -> dict[str, str]:

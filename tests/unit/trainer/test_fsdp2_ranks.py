@@ -25,7 +25,12 @@ def _train_once(rank: int, out: str, overrides: list[str]) -> None:
     state = backend.full_state_dict()
     if rank == 0:
         gate = backend.model.model.layers[0].mlp.gate_proj.weight
+        layer = backend.model.model.layers[0]
+        adapters = {f"{m}.{ab}": getattr(getattr(layer.self_attn, m), ab).weight for m in ("q_proj", "o_proj")
+                    for ab in ("lora_A", "lora_B") if hasattr(getattr(layer.self_attn, m), ab)}
         torch.save({"state": state, "metrics": metrics, "offloaded": _offloaded(backend.model),
+                    "adapter_tp": {k: [str(p) for p in w.placements][-1] for k, w in adapters.items()
+                                   if hasattr(w, "placements")},
                     "gate_local_rows": gate.to_local().shape[0] if hasattr(gate, "to_local") else gate.shape[0],
                     "gate_rows": gate.shape[0]}, out)
 
@@ -44,10 +49,13 @@ def _offloaded(model: torch.nn.Module) -> bool | None:
                                    ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}",
                                     "policy.tiny.architecture=qwen3"],
                                    ["policy.lora_cfg.enabled=true", "policy.activation_checkpointing=true"],
+                                   # adapters on every linear layer (lm_head too) split with their base layers
+                                   ["policy.tensor_parallel_size=2", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}",
+                                    "policy.lora_cfg.enabled=true", "policy.lora_cfg.match_all_linear=true"],
                                    # masks some of the batch's samples; SGD as for tp2 (an embedding row's gradient
                                    # that the masked samples leave near zero is rounding, which Adam magnifies)
                                    ["grpo.seq_logprob_error_threshold=20", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
-                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "tp2_qwen3", "lora", "seq_mask"])
+                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "tp2_qwen3", "lora", "tp2_lora", "seq_mask"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run_ranks(1, _train_once, one, OVERRIDES + [e for e in extra if "tensor_parallel" not in e])  # TP needs 2
@@ -56,6 +64,10 @@ def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extr
     assert (a["offloaded"], b["offloaded"]) == (None, "policy.cpu_offload=true" in extra)
     # each rank holds half the rows: FSDP's dp shard, or with TP (dp = 1) the gate projection's column split
     assert b["gate_local_rows"] * 2 == b["gate_rows"] == a["gate_local_rows"]
+    if "policy.tensor_parallel_size=2" in extra and "policy.lora_cfg.enabled=true" in extra:
+        # colwise q_proj: A whole, B split by rows like W; rowwise o_proj: A split by columns like W, B whole
+        assert b["adapter_tp"] == {"q_proj.lora_A": "R", "q_proj.lora_B": "S(0)", "o_proj.lora_A": "S(1)",
+                                   "o_proj.lora_B": "R"}
     for name, value in a["state"].items():
         torch.testing.assert_close(b["state"][name], value, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
     for name in ("loss", "probs_ratio_min", "probs_ratio_max", "grad_norm", "lr", "kl_penalty",
