@@ -3,13 +3,19 @@
 Each turn the model answers with one move inside <action>...</action>:
 - "up", "down", "left" or "right" slides the tile next to the gap in that direction into the gap
   ("up" moves the tile below the gap up);
-- "slide R C" slides the tile at row R, column C (1-based) into the gap, when they are neighbours.
+- "slide R C" slides the tile at row R, column C (1-based) into the gap, when they are neighbours;
+- "view" shows the board again and is not a move (as in NeMo RL; grpo.max_rollout_turns still bounds the turns).
 The board is solved when it reads 1, 2, ..., n*n-1 row by row with the gap (0) last.
 
 Metadata: {"game_state": {"size": n, "board": [[int]]}, "num_moves": k, "max_moves": m}. Numbers may
 arrive as floats (protobuf Struct), so they are read with int(). An invalid or impossible action counts
 as a move and leaves the board unchanged. Reward 1.0 on the move that solves the board; the episode ends
 when solved or after max_moves moves, and then the returned metadata is None.
+
+Settings (the config's env.sliding_puzzle; NeMo RL's env.sliding_puzzle_game.cfg moves there): generated
+boards are 2x2 up to `size` x `size`, each 1 to `shuffle_moves` random moves from solved, as NeMo RL's
+sliding-puzzle example draws them. Unlike NeMo RL's shuffle, no move undoes the one before, and a board that
+ends solved takes more moves until it is not, so every prompt needs at least one move.
 """
 
 from __future__ import annotations
@@ -72,17 +78,18 @@ def apply_action(board: Board, action: str) -> Board | None:
     return moved
 
 
-def scramble(size: int, moves: int, rng: random.Random) -> Board:
-    """A board `moves` random legal moves from solved (never undoing the previous one), not solved."""
+def scramble(size: int, moves: int, rng: random.Random) -> tuple[Board, int]:
+    """(a board at least `moves` random legal moves from solved, never undoing the previous one, the moves made).
+
+    Moves go on past `moves` while the board is solved: on 2x2 such moves cycle back to solved every 12."""
     inverse = {"up": "down", "down": "up", "left": "right", "right": "left"}
-    while True:
-        board, previous = solved_board(size), None
-        for _ in range(moves):
-            options = [a for a in DIRECTIONS if a != inverse.get(previous) and apply_action(board, a)]
-            previous = rng.choice(options)
-            board = apply_action(board, previous)
-        if board != solved_board(size):
-            return board
+    solved = solved_board(size)
+    board, previous, made = solved, None, 0
+    while made < moves or board == solved:
+        options = [a for a in DIRECTIONS if a != inverse.get(previous) and apply_action(board, a)]
+        previous = rng.choice(options)
+        board, made = apply_action(board, previous), made + 1
+    return board, made
 
 
 def render(board: Board) -> str:
@@ -93,14 +100,16 @@ def render(board: Board) -> str:
 class SlidingPuzzleEnvironment(Environment):
     kind = "sliding_puzzle"
 
-    def __init__(self, sizes: tuple[int, ...] = (2, 3), scramble_moves: tuple[int, int] = (1, 4),
-                 extra_moves: int = 4) -> None:
-        self.sizes = sizes
-        """Board sizes prompts() draws from."""
-        self.scramble_moves = scramble_moves
-        """Inclusive range of random moves away from solved."""
-        self.extra_moves = extra_moves
-        """max_moves = 2 * scramble moves + extra_moves."""
+    def __init__(self, size: int = 3, shuffle_moves: int = 4, max_moves: int = 0) -> None:
+        if size < 2 or shuffle_moves < 1 or max_moves < 0:
+            raise ValueError(f"sliding_puzzle needs size >= 2, shuffle_moves >= 1 and max_moves >= 0; got {size}, "
+                             f"{shuffle_moves}, {max_moves}")
+        self.size = size
+        """The largest board prompts() draws; sizes go from 2 up to it."""
+        self.shuffle_moves = shuffle_moves
+        """The most random moves a board is from solved; each board draws 1 up to it."""
+        self.max_moves = max_moves
+        """Moves allowed per episode; 0 = twice the board's own shuffle moves, plus 4."""
 
     def step(self, conversations, metadata, *, return_extracted_answer=False):
         results = score_each(self._one, conversations, metadata)
@@ -111,9 +120,14 @@ class SlidingPuzzleEnvironment(Environment):
 
     def _one(self, conversation: list[dict], meta: dict) -> StepResult:
         board = read_board(meta["game_state"]["board"])
-        num_moves, max_moves = int(meta["num_moves"]) + 1, int(meta["max_moves"])
+        made, max_moves = int(meta["num_moves"]), int(meta["max_moves"])
         actions = ACTION.findall(last_assistant(conversation))
         action = actions[-1].strip() if actions else ""
+        if action.lower() == "view":
+            return StepResult(observation=_observe(board, f"No move made. Moves left: {max_moves - made}."),
+                              terminated=False, next_stop_strings=list(STOP), metadata=_state(board, made, max_moves),
+                              answer=action)
+        num_moves = made + 1
         moved = apply_action(board, action) if action else None
         if moved is None:
             note = f"Invalid action {action!r}." if action else "No <action>...</action> found."
@@ -123,29 +137,30 @@ class SlidingPuzzleEnvironment(Environment):
             return StepResult(observation=_observe(board, note + " Solved!"), reward=1.0, answer=action)
         if num_moves >= max_moves:
             return StepResult(observation=_observe(board, note + " Out of moves."), answer=action)
-        state = {"game_state": {"size": len(board), "board": board}, "num_moves": num_moves,
-                 "max_moves": max_moves}
         return StepResult(observation=_observe(board, note + f" Moves left: {max_moves - num_moves}."),
-                          terminated=False, next_stop_strings=list(STOP), metadata=state, answer=action)
+                          terminated=False, next_stop_strings=list(STOP), metadata=_state(board, num_moves, max_moves),
+                          answer=action)
 
     def prompts(self, count: int, seed: int, offset: int) -> list[dict]:
         return [self._prompt(random.Random(f"sliding_puzzle:{seed}:{offset + i}")) for i in range(count)]
 
     def _prompt(self, rng: random.Random) -> dict:
-        size = rng.choice(self.sizes)
-        moves = rng.randint(*self.scramble_moves)
-        board = scramble(size, moves, rng)
+        size = rng.randint(2, self.size)
+        board, moves = scramble(size, rng.randint(1, self.shuffle_moves), rng)
         text = (
             f"Solve this {size}x{size} sliding puzzle. The goal is the tiles in order 1, 2, ... row by row "
             "with the gap (_) last.\n"
             f"{render(board)}\n"
             "Each turn, give one move inside <action></action>: up, down, left or right slides the tile "
             "next to the gap in that direction into it, and 'slide R C' slides the tile at row R, column C "
-            "(1-based). For example <action>left</action>."
+            "(1-based). For example <action>left</action>. <action>view</action> shows the board again."
         )
-        metadata = {"game_state": {"size": size, "board": board}, "num_moves": 0,
-                    "max_moves": 2 * moves + self.extra_moves}
-        return {"messages": [{"role": "user", "content": text}], "metadata": metadata}
+        return {"messages": [{"role": "user", "content": text}],
+                "metadata": _state(board, 0, self.max_moves or 2 * moves + 4)}
+
+
+def _state(board: Board, num_moves: int, max_moves: int) -> dict:
+    return {"game_state": {"size": len(board), "board": board}, "num_moves": num_moves, "max_moves": max_moves}
 
 
 def _observe(board: Board, note: str) -> str:

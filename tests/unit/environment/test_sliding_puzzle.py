@@ -112,3 +112,39 @@ def test_prompts_are_reproducible_for_the_same_seed_and_offset():
     assert env.prompts(5, seed=7, offset=10) == env.prompts(5, seed=7, offset=10)
     assert env.prompts(5, seed=7, offset=10)[2:] == env.prompts(3, seed=7, offset=12)
     assert env.prompts(5, seed=7, offset=10) != env.prompts(5, seed=8, offset=10)
+
+
+def test_settings_bound_the_generated_boards_as_nemo_rl_s_game_config():
+    env = SlidingPuzzleEnvironment(size=5, shuffle_moves=10, max_moves=30)
+    prompts = env.prompts(200, seed=1, offset=0)
+    sizes = {p["metadata"]["game_state"]["size"] for p in prompts}
+    assert sizes == {2, 3, 4, 5} and all(p["metadata"]["max_moves"] == 30 for p in prompts)
+    for p in prompts[:40]:
+        board = p["metadata"]["game_state"]["board"]
+        assert board != solved_board(len(board))
+        if len(board) <= 3:  # breadth-first search stays cheap up to 3x3
+            assert len(shortest_solution(board)) <= 10 + 1  # a board that ended solved takes one more move
+
+
+def test_a_scramble_that_cycles_back_to_solved_goes_on_instead_of_looping():
+    # On 2x2 moves that never undo the last one bring the board back to solved every 12 moves.
+    env = SlidingPuzzleEnvironment(size=2, shuffle_moves=24)
+    for p in env.prompts(30, seed=0, offset=0):
+        board = p["metadata"]["game_state"]["board"]
+        assert board != solved_board(2)
+        assert len(shortest_solution(board)) <= p["metadata"]["max_moves"]
+
+
+def test_view_shows_the_board_and_is_not_a_move():
+    env = SlidingPuzzleEnvironment()
+    meta = {"game_state": {"size": 2, "board": [[1, 2], [0, 3]]}, "num_moves": 2.0, "max_moves": 3}
+    result = env.step([[{"role": "assistant", "content": "<action>view</action>"}]], [meta])[0]
+    assert (result.reward, result.terminated) == (0.0, False)
+    assert result.metadata == {"game_state": {"size": 2, "board": [[1, 2], [0, 3]]}, "num_moves": 2, "max_moves": 3}
+    assert "1 2\n_ 3" in result.observation and "Moves left: 1." in result.observation
+
+
+@pytest.mark.parametrize("settings", [{"size": 1}, {"shuffle_moves": 0}, {"max_moves": -1}])
+def test_settings_out_of_range_are_refused(settings):
+    with pytest.raises(ValueError, match="sliding_puzzle needs"):
+        SlidingPuzzleEnvironment(**settings)
