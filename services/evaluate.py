@@ -1,7 +1,8 @@
 """`flywheel eval`: accuracy, average length and pass@k of a model on a dataset, by the validation code.
 
-    config (data.validation, or --data) ──▶ environment + rollout services, policy.model_name = --model
-        ──▶ Validator (services/controller/evaluation.py): Generate n per prompt, environment Step
+    config (data.validation, or --data; without either, the prompts the config's environments generate, as
+    validation takes them) ──▶ environment + rollout services, policy.model_name = --model
+        ──▶ Validator (services/controller/evaluation.py): Generate n episodes per prompt, scored by the environment
         ──▶ printed metrics, <run_dir>/eval.json and eval_samples.jsonl (each prompt's rewards)
 
 --model is a Hugging Face model id or directory, or a trainer checkpoint, which is exported first.
@@ -17,10 +18,12 @@ import time
 from pathlib import Path
 
 from services.common.config import ConfigError, FlywheelConfig
-from services.common.pb.flywheel.v1 import environment_pb2_grpc, rollout_pb2_grpc
+from services.common.pb.flywheel.v1 import rollout_pb2_grpc
 from services.common.server import channel
 from services.controller.data import DataError, load_data
-from services.controller.evaluation import Validator, validation_prompts
+from services.controller.evaluation import Validator, generated_prompts, validation_prompts
+from services.controller.main import spec_from_config
+from services.controller.registry import Registry
 from services.local import LocalStack
 
 
@@ -32,9 +35,10 @@ def eval_prompts(cfg: FlywheelConfig):
         prompts = validation_prompts(cfg, load_data(cfg).validation)
     except DataError as err:
         raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
-    if not prompts:
+    if not prompts and not cfg.generating_environments:
         raise ConfigError("config error: data.validation: nothing to evaluate (set data.validation.data_path, "
-                          "pass --data, or a train split_validation_size)")
+                          "pass --data, a train split_validation_size, or an `environments` entry that generates "
+                          "its prompts)")
     return prompts
 
 
@@ -53,16 +57,19 @@ def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
 
 
 async def _score(cfg: FlywheelConfig, prompts):
-    a = cfg.addresses
-    rollout, env = channel(a.rollout, security=cfg.security), channel(a.environment, security=cfg.security)
+    rollout = channel(cfg.addresses.rollout, security=cfg.security)
+    registry = Registry(cfg)
     try:
+        if not prompts:  # the environment service generates them, once the environments are registered there
+            for spec in cfg.environments:
+                await registry.submit(spec_from_config(spec))
+            prompts = await generated_prompts(cfg, registry)
         validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(rollout),
-                              environment_pb2_grpc.EnvironmentServiceStub(env),
                               n=cfg.grpo.val_num_generations_per_prompt)
         return await validator.run()
     finally:
         await rollout.close()
-        await env.close()
+        await registry.close()
 
 
 def _out(run_dir: str | None) -> Path:

@@ -299,10 +299,7 @@ def _early_exit(cfg: FlywheelConfig) -> str:
 
 async def _final_validation(cfg: FlywheelConfig, version: int, children: Children, timeout_s: float = 900) -> None:
     """The controller validates the last weights when grpo.val_at_end (or val_period) asks: wait for it."""
-    from services.controller.evaluation import due
-
-    has_validation = cfg.data.validation_sets() or any(d.split_validation_size for d in cfg.data.train_sets())
-    if not (has_validation and due(cfg, version, final=True)):
+    if not (cfg.has_validation_prompts and cfg.grpo.validation_due(version, final=True)):
         return
     path = Path(cfg.run.run_dir) / "validation.jsonl"
     deadline = time.monotonic() + timeout_s

@@ -10,10 +10,14 @@ Streams per run (names derive from the run id, so runs share a server safely):
   controller, for stale and for dynamic-sampling-filtered groups): work-queue retention, one durable
   consumer per subject that acks after handling (`consume`).
 Heartbeats, confirmations and step reports are plain core-NATS events.
+
+The run's KV bucket (`open_state_bucket`) holds the controller's state (controller/state.py) and, under
+VALIDATED, each validated policy version's metrics, which the trainer ranks checkpoints by.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -24,8 +28,8 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from services.common.config import SecurityConfig
 from services.common.logs import RateLimitedLog
@@ -180,3 +184,41 @@ class Bus:
 
     async def close(self) -> None:
         await self.nc.drain()
+
+
+VALIDATED = "validated."
+"""State-bucket key prefix: `validated.<version>` holds the validation metrics of that policy version (JSON)."""
+
+
+def state_bucket(run: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"flywheel_{run}_state")
+
+
+async def open_state_bucket(js: JetStreamContext, run: str):
+    """The run's KV bucket (file storage, history 1: only the latest value of a key matters), made if missing."""
+    name = state_bucket(run)
+    try:
+        return await js.key_value(name)
+    except BucketNotFoundError:
+        return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
+
+
+async def read_prefixed(kv, prefix: str) -> dict[str, bytes]:
+    """Every key of the bucket that starts with `prefix`, with its value."""
+    try:
+        keys = [k for k in await kv.keys() if k.startswith(prefix)]
+    except NoKeysError:
+        return {}
+    out = {}
+    for key in keys:
+        try:
+            out[key] = (await kv.get(key)).value
+        except KeyNotFoundError:  # purged between the listing and the read
+            continue
+    return out
+
+
+async def read_validated(kv) -> dict[int, dict[str, float]]:
+    """Policy version -> its validation metrics (e.g. {"validation/accuracy": 0.5}), as the controller put them."""
+    return {int(key.removeprefix(VALIDATED)): json.loads(value)
+            for key, value in (await read_prefixed(kv, VALIDATED)).items()}

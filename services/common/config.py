@@ -160,6 +160,18 @@ class GRPOConfig(Section):
     the step. Null: no masking. FSDP2, GRPO advantages."""
 
     @property
+    def validates(self) -> bool:
+        """Some version is due for validation (val_period, val_at_start or val_at_end)."""
+        return self.val_period > 0 or self.val_at_start or self.val_at_end
+
+    def validation_due(self, version: int, final: bool) -> bool:
+        """Validate the weights of `version` (= steps done)? NeMo RL's val_period / val_start_at / val_at_* rules."""
+        if version == 0:
+            return self.val_at_start
+        periodic = self.val_period > 0 and version % self.val_period == 0 and version >= self.val_start_at
+        return periodic or (final and self.val_at_end)
+
+    @property
     def max_staleness(self) -> int:
         """k, the bound every service enforces: 0 (synchronous) unless async_grpo is enabled."""
         a = self.async_grpo
@@ -470,7 +482,7 @@ class PolicyConfig(Section):
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
     lora_cfg: LoRAConfig = LoRAConfig()
-    """FSDP2, tensor_parallel_size 1."""
+    """FSDP2 (tensor parallelism included)."""
     megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
 
@@ -499,8 +511,6 @@ class PolicyConfig(Section):
                              "megatron_cfg.tensor_model_parallel_size")
         if self.lora_cfg.enabled and self.megatron_cfg.enabled:
             raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
-        if self.lora_cfg.enabled and self.tensor_parallel_size > 1:
-            raise ValueError("lora_cfg with tensor_parallel_size > 1 is not built: the adapters are not split over TP")
         if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
             raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
                              "entropy does not take it")
@@ -689,6 +699,11 @@ class CheckpointingConfig(Section):
     (NeMo RL's TimeoutChecker), so a job with a wall-clock limit ends with its work saved; start it again with
     --resume and it goes on. null: no limit."""
 
+    @property
+    def ranks_by_validation(self) -> bool:
+        """metric_name names a validation metric (val:...), which the controller reports after the save."""
+        return bool(self.metric_name) and self.metric_name.startswith("val:")
+
     @field_validator("checkpoint_must_save_by", mode="before")
     @classmethod
     def _a_quoted_duration(cls, value: Any) -> Any:
@@ -743,6 +758,19 @@ class FlywheelConfig(Section):
         if self.rollout.max_groups_in_flight is not None:
             return self.rollout.max_groups_in_flight
         return -(-self.grpo.num_prompts_per_step // self.rollout.num_workers)
+
+    @property
+    def generating_environments(self) -> list[str]:
+        """The `environments` entries with no dataset: they generate their prompts (the controller refuses one
+        that does not), and validate on generated ones too."""
+        return [spec.name for spec in self.environments if not spec.dataset]
+
+    @property
+    def has_validation_prompts(self) -> bool:
+        """data.validation, a split_validation_size hold-out, or (with neither) an `environments` entry that
+        generates its prompts: the controller validates on those (controller/evaluation.py)."""
+        held_out = any(d.split_validation_size for d in self.data.train_sets())
+        return bool(self.data.validation_sets()) or held_out or bool(self.generating_environments)
 
     @model_validator(mode="after")
     def _something_to_train_on(self) -> FlywheelConfig:

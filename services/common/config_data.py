@@ -157,11 +157,24 @@ class MathMultiRewardEnvConfig(Section):
     math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
 
 
+class SlidingPuzzleEnvConfig(Section):
+    """The sliding_puzzle environment's generated boards; NeMo RL's `env.sliding_puzzle_game.cfg` moves here."""
+
+    size: int = Field(3, ge=2)
+    """The largest board (size x size); each prompt draws 2 up to it. NeMo RL: cfg.game_config.size."""
+    shuffle_moves: int = Field(4, ge=1)
+    """The most random moves a board is from solved; each prompt draws 1 up to it.
+    NeMo RL: cfg.game_config.shuffle_moves."""
+    max_moves: int = Field(0, ge=0)
+    """Moves allowed per episode; 0 = twice the board's own shuffle moves, plus 4. NeMo RL: cfg.max_moves."""
+
+
 class EnvConfig(Section):
     """NeMo RL `env`: settings of built-in environments."""
 
     math: MathEnvConfig = MathEnvConfig()
     math_multi_reward: MathMultiRewardEnvConfig = MathMultiRewardEnvConfig()
+    sliding_puzzle: SlidingPuzzleEnvConfig = SlidingPuzzleEnvConfig()
 
 
 class WandbConfig(Section):

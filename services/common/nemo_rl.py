@@ -145,7 +145,13 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.zmq_refit_server_port", _is(None), "ZMQ refit is not built"),
     Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", _is(False), "multimodal is not built"),
     Rule("data.num_workers", _any, "the controller reads rows itself; no loader workers"),
+    Rule("data.add_system_prompt", _is(False), "a variable NeMo RL's sliding-puzzle script hands the chat template; "
+         "unset, a template reads it as false (set policy.tokenizer.chat_template_kwargs for a template that reads it)"),
     Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),
+    Rule("data.num_prompts_per_dataloader", _when("data.use_multiple_dataloader", False),
+         "inert while use_multiple_dataloader is false, as in NeMo RL"),
+    Rule("data.custom_dataloader", _when("data.use_multiple_dataloader", False),
+         "inert while use_multiple_dataloader is false, as in NeMo RL"),
     Rule("logger.tensorboard_enabled", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.tensorboard", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
     Rule("logger.monitor_gpus", _any, "GPU use is on each service's Prometheus /metrics"),
@@ -162,8 +168,14 @@ RULES: tuple[Rule, ...] = (
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
          "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
-         "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg"}
+         "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg",
+         "env.sliding_puzzle_game.cfg.game_config.size": "env.sliding_puzzle.size",
+         "env.sliding_puzzle_game.cfg.game_config.shuffle_moves": "env.sliding_puzzle.shuffle_moves",
+         "env.sliding_puzzle_game.cfg.max_moves": "env.sliding_puzzle.max_moves"}
 """NeMo RL key -> the Flywheel key with the same meaning."""
+
+SLIDING_PUZZLE_GAME = "sliding_puzzle_game"
+"""The task NeMo RL's run_grpo_sliding_puzzle.py trains: the environment of that name, on puzzles it generates."""
 
 
 def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem], list[Problem]]:
@@ -171,12 +183,41 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     out = copy.deepcopy(tree)
     problems: list[Problem] = []
     notes: list[Problem] = []
+    game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)
+    if game:
+        _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
     _walk(out, copy.deepcopy(out), "", schema, problems, notes)  # rules read the tree as written
     return out, problems, notes
+
+
+def _as_sliding_puzzle_script(tree: dict, notes: list[Problem]) -> None:
+    """env.sliding_puzzle_game is NeMo RL's sliding-puzzle example, which its own script runs: the game on puzzles it
+    generates, for training and validation, with no dataset read (data.* comes from grpo_math_1B's defaults)."""
+    env = tree["env"]
+    if not _prune(env[SLIDING_PUZZLE_GAME]):
+        del env[SLIDING_PUZZLE_GAME]  # all moved to env.sliding_puzzle; anything left is reported unknown
+    spec = {"name": SLIDING_PUZZLE_GAME, "kind": "sliding_puzzle", "sampling": {"stop_strings": ["</action>"]}}
+    tree["environments"] = [*(tree.get("environments") or []), spec]
+    why = (f"read as NeMo RL's sliding-puzzle example: the environment {SLIDING_PUZZLE_GAME} (kind sliding_puzzle) "
+           "trains and validates on puzzles it generates, as run_grpo_sliding_puzzle.py does")
+    notes.append((f"env.{SLIDING_PUZZLE_GAME}", why))
+    data = tree.get("data") or {}
+    for key in ("train", "validation"):
+        if data.get(key) is not None:
+            data[key] = None
+            notes.append((f"data.{key}", "accepted, no effect: run_grpo_sliding_puzzle.py reads no dataset"))
+
+
+def _prune(node: dict) -> dict:
+    """`node` without the dicts under it that hold nothing but empty dicts."""
+    for key in list(node):
+        if isinstance(node[key], dict) and not _prune(node[key]):
+            del node[key]
+    return node
 
 
 def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:

@@ -1,11 +1,15 @@
 """Validation (every grpo.val_period steps, at start, at end) and `flywheel eval`: the same code.
 
-    validation prompts ──Generate(n = val_num_generations_per_prompt)──▶ rollout (weights loaded now)
-        completions ──Step(prompt + answer)──▶ environment ──rewards──▶ accuracy, avg length, pass@k
+    validation prompts ──Generate(n = val_num_generations_per_prompt, env_name)──▶ rollout (weights loaded now)
+        ──▶ the training's episode loop (generation, environment turns) ──rewards──▶ accuracy, avg length, pass@k
+
+The prompts are data.validation's (and split_validation_size hold-outs), or, without those, grpo.max_val_samples
+that each environment of the config's `environments` list generates, from a seed apart from training's (NeMo RL's
+sliding-puzzle example validates on generated puzzles). Each keeps its environment's max_turns and sampling.
 
 Metric names are NeMo RL's: validation/accuracy (mean reward over every sample), validation/avg_length
-(generated tokens), validation/pass@k with k = n, by the unbiased estimator of Chen et al. (2021)
-averaged over prompts. A sample counts as correct when its reward is > 0, as NeMo RL's pass rate does.
+(generated tokens, observations not counted), validation/pass@k with k = n, by the unbiased estimator of
+Chen et al. (2021) averaged over prompts. A sample counts as correct when its reward is > 0, as NeMo RL's pass rate does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.config import FlywheelConfig
-from services.common.pb.flywheel.v1 import environment_pb2, rollout_pb2, types_pb2
+from services.common.pb.flywheel.v1 import rollout_pb2, types_pb2
 
 log = logging.getLogger("flywheel.controller.evaluation")
 CONCURRENCY = 8
@@ -61,54 +65,57 @@ def summarize(results: list[PromptResult], k: int) -> dict[str, float]:
     }
 
 
-def due(cfg: FlywheelConfig, version: int, final: bool) -> bool:
-    """Validate the weights of `version` (= steps done)? NeMo RL's val_period / val_start_at / val_at_* rules."""
-    g = cfg.grpo
-    if version == 0:
-        return g.val_at_start
-    periodic = g.val_period > 0 and version % g.val_period == 0 and version >= g.val_start_at
-    return periodic or (final and g.val_at_end)
+VALIDATION_SEED = 1 << 32
+"""Added to run.seed for the prompts an environment generates for validation: a stream apart from training's."""
+GENERATED_UNBOUNDED = 256
+"""Generated validation prompts when grpo.max_val_samples is null ("all"), which a generator does not have."""
 
 
 class Validator:
     """Scores a fixed prompt set with the weights rollout serves now."""
 
-    def __init__(self, prompts: list[tuple[str, types_pb2.DatasetRow]], rollout, environment, *, n: int,
-                 sampling: types_pb2.SamplingParams | None = None) -> None:
+    def __init__(self, prompts: list[types_pb2.PromptGroup], rollout, *, n: int) -> None:
         self.prompts = prompts
-        """(environment name, row) pairs."""
+        """Each prompt with its environment, first-turn metadata, max_turns and sampling."""
         self.rollout = rollout
-        self.environment = environment
         self.n = n
-        self.sampling = sampling or types_pb2.SamplingParams()
 
     async def run(self) -> tuple[dict[str, float], list[PromptResult]]:
         gate = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(env_name: str, row: types_pb2.DatasetRow) -> PromptResult:
+        async def one(prompt: types_pb2.PromptGroup) -> PromptResult:
             async with gate:
-                return await self._one(env_name, row)
+                return await self._one(prompt)
 
-        results = await asyncio.gather(*(one(e, r) for e, r in self.prompts))
+        results = await asyncio.gather(*(one(p) for p in self.prompts))
         return summarize(results, self.n), results
 
-    async def _one(self, env_name: str, row: types_pb2.DatasetRow) -> PromptResult:
+    async def _one(self, prompt: types_pb2.PromptGroup) -> PromptResult:
         generated = await self.rollout.Generate(rollout_pb2.GenerateRequest(
-            messages=row.messages, n=self.n, sampling=self.sampling), timeout=600, wait_for_ready=True)
-        episodes = [environment_pb2.Episode(
-            messages=[*row.messages, types_pb2.ChatMessage(role="assistant", content=c.text)],
-            metadata=row.metadata) for c in generated.completions]
-        scored = await self.environment.Step(environment_pb2.StepRequest(env_name=env_name, episodes=episodes),
-                                             timeout=120, wait_for_ready=True)
+            messages=prompt.messages, n=self.n, sampling=prompt.sampling, env_name=prompt.env_name,
+            metadata=prompt.metadata, max_turns=prompt.max_turns), timeout=600, wait_for_ready=True)
         completions = list(generated.completions)
-        return PromptResult(prompt=row.messages[-1].content, rewards=[r.reward for r in scored.results],
-                            lengths=[len(c.token_ids) for c in completions], texts=[c.text for c in completions],
+        return PromptResult(prompt=prompt.messages[-1].content, rewards=[c.reward for c in completions],
+                            lengths=[sum(c.generated_mask) for c in completions], texts=[c.text for c in completions],
                             version=min(c.version_start for c in completions))
 
 
-def validation_prompts(cfg: FlywheelConfig, sets) -> list[tuple[str, types_pb2.DatasetRow]]:
+async def generated_prompts(cfg: FlywheelConfig, registry) -> list[types_pb2.PromptGroup]:
+    """grpo.max_val_samples prompts (GENERATED_UNBOUNDED when null) shared among cfg.generating_environments,
+    registered in `registry`, each drawn from run.seed + VALIDATION_SEED."""
+    names, total = cfg.generating_environments, cfg.grpo.max_val_samples or GENERATED_UNBOUNDED
+    prompts = []
+    for i, name in enumerate(names):
+        count = total // len(names) + (i < total % len(names))
+        if count:
+            prompts += await registry.generated(name, count, cfg.run.seed + VALIDATION_SEED)
+    return prompts
+
+
+def validation_prompts(cfg: FlywheelConfig, sets) -> list[types_pb2.PromptGroup]:
     """The first grpo.max_val_samples prompts of the validation sets, in order."""
-    prompts = [(s.env_name, row) for s in sets for row in s.rows]
+    prompts = [types_pb2.PromptGroup(env_name=s.env_name, messages=row.messages, metadata=row.metadata,
+                                     max_turns=cfg.grpo.max_rollout_turns) for s in sets for row in s.rows]
     limit = cfg.grpo.max_val_samples
     return prompts if limit is None else prompts[:limit]
 
@@ -122,13 +129,16 @@ def sample_lines(results: list[PromptResult], count: int) -> list[str]:
 
 
 class ValidationLoop:
-    """Runs requested validations one at a time in the background; results go to the tracker,
-    <run_dir>/validation.jsonl and (logger.num_val_samples_to_print samples) the log."""
+    """Runs requested validations one at a time in the background; results go to the tracker, the run's state
+    bucket (checkpoints are ranked by them), <run_dir>/validation.jsonl and (logger.num_val_samples_to_print
+    samples) the log."""
 
-    def __init__(self, cfg: FlywheelConfig, validator: Validator, tracker) -> None:
+    def __init__(self, cfg: FlywheelConfig, validator: Validator, tracker, state=None) -> None:
         self.cfg = cfg
         self.validator = validator
         self.tracker = tracker
+        self.state = state
+        """The run's StateStore: each validation's metrics go there for the trainer's checkpoint ranking."""
         self.done: set[int] = set()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -151,6 +161,11 @@ class ValidationLoop:
         self.tracker.log(metrics, version)
         with (Path(self.cfg.run.run_dir or ".") / "validation.jsonl").open("a") as f:
             f.write(json.dumps({"version": version, **metrics}) + "\n")
+        if self.state is not None:
+            try:
+                await self.state.save_validated(version, metrics)
+            except Exception:  # the checkpoint it would rank then counts as not validated
+                log.exception("validation of version %d: its metrics did not reach the run's state bucket", version)
         log.info("validation v%d: %s", version, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         for line in sample_lines(results, self.cfg.logger.num_val_samples_to_print):
             log.info("validation sample v%d: %s", version, line)

@@ -33,7 +33,7 @@ from services.common.bus import Bus
 from services.common.config import EnvironmentSpec, FlywheelConfig
 from services.common.errors import AlreadyExists, InvalidArgument, RunFailed, Unavailable
 from services.common.logs import RateLimitedLog
-from services.common.pb.flywheel.v1 import (controller_pb2, controller_pb2_grpc, environment_pb2_grpc, replay_pb2_grpc,
+from services.common.pb.flywheel.v1 import (controller_pb2, controller_pb2_grpc, replay_pb2_grpc,
                                             rollout_pb2_grpc, types_pb2)
 from services.common.server import channel, run_service
 from services.common.telemetry import setup_telemetry
@@ -41,7 +41,7 @@ from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.controller.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
-from services.controller.evaluation import ValidationLoop, Validator, validation_prompts
+from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts
 from services.controller.registry import Registry
 from services.controller.reporting import Reporting
 from services.controller.state import RunState, StateStore
@@ -334,13 +334,15 @@ def refill_budget(g) -> int:
 
 
 async def submit_data(cfg: FlywheelConfig, registry: Registry, data: LoadedData) -> None:
-    """Each data.train dataset joins the mix under its env_name, its rows in NeMo RL's epoch order."""
+    """Each data.train dataset joins the mix under its env_name, its rows in NeMo RL's epoch order, weighted by
+    its size: NeMo RL concatenates a list of train datasets into one, so each row is equally likely to come next."""
     g = cfg.grpo
     for i, prompts in enumerate(data.train):
         name = prompts.env_name if len(data.train) == 1 else f"{prompts.env_name}-{i}"
         cursor = EpochCursor(prompts.rows, prompts_per_step=g.num_prompts_per_step, epochs=g.max_num_epochs,
                              seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-        await registry.submit(controller_pb2.EnvironmentSpec(name=name, kind=prompts.env_name, weight=1.0), cursor)
+        await registry.submit(controller_pb2.EnvironmentSpec(name=name, kind=prompts.env_name,
+                                                             weight=float(len(prompts.rows))), cursor)
 
 
 async def resubmit(registry: Registry, state: StateStore) -> None:
@@ -355,16 +357,17 @@ async def resubmit(registry: Registry, state: StateStore) -> None:
             await state.forget_submitted(spec.name)
 
 
-def _validation(cfg: FlywheelConfig, data: LoadedData, tracker: Tracker) -> ValidationLoop | None:
-    """Validation over data.validation (and split_validation_size hold-outs); None when there is none."""
+async def _validation(cfg: FlywheelConfig, data: LoadedData, registry: Registry, tracker: Tracker,
+                      state: StateStore) -> ValidationLoop | None:
+    """Validation over data.validation (and split_validation_size hold-outs), else over prompts the config's
+    environments generate (grpo.max_val_samples in all, shared among them); None when there is none."""
     prompts = validation_prompts(cfg, data.validation)
+    if not prompts and cfg.grpo.validates:
+        prompts = await generated_prompts(cfg, registry)
     if not prompts:
         return None
-    a = cfg.addresses
-    validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(channel(a.rollout, security=cfg.security)),
-                          environment_pb2_grpc.EnvironmentServiceStub(channel(a.environment, security=cfg.security)),
-                          n=cfg.grpo.val_num_generations_per_prompt)
-    return ValidationLoop(cfg, validator, tracker)
+    rollout = rollout_pb2_grpc.RolloutServiceStub(channel(cfg.addresses.rollout, security=cfg.security))
+    return ValidationLoop(cfg, Validator(prompts, rollout, n=cfg.grpo.val_num_generations_per_prompt), tracker, state)
 
 
 async def serve(cfg: FlywheelConfig) -> None:
@@ -378,7 +381,7 @@ async def serve(cfg: FlywheelConfig) -> None:
     state = await StateStore.open(bus.js, cfg.run.name)
     await resubmit(registry, state)
     tracker = Tracker(cfg)
-    reporting = Reporting(cfg, tracker, _validation(cfg, data, tracker),
+    reporting = Reporting(cfg, tracker, await _validation(cfg, data, registry, tracker, state),
                           replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
     controller = Controller(cfg, bus, registry, reporting, state)
     await controller.resume()

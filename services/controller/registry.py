@@ -112,6 +112,19 @@ class Registry:
         self.entries[spec.name] = entry
         return entry
 
+    async def generated(self, name: str, count: int, seed: int) -> list[types_pb2.PromptGroup]:
+        """`count` prompts environment `name` generates from `seed`, each with the entry's max_turns and sampling."""
+        entry = self.entries[name]
+        return [types_pb2.PromptGroup(env_name=name, messages=row.messages, metadata=row.metadata,
+                                      max_turns=entry.max_turns, sampling=entry.sampling)
+                for row in await self._prompts(name, count, seed, offset=0)]
+
+    async def _prompts(self, name: str, count: int, seed: int, offset: int) -> list[types_pb2.DatasetRow]:
+        """Rows `offset`.. of the stream environment `name` generates from `seed`."""
+        response = await self._call(name, self.env.Prompts(environment_pb2.PromptsRequest(
+            env_name=name, count=count, seed=seed, offset=offset), timeout=30, wait_for_ready=True))
+        return list(response.rows)
+
     async def register_lost(self) -> list[str]:
         """Registers again each environment of the mix the environment service does not list (it keeps
         registrations in memory, so a restarted one has forgotten them); returns their names."""
@@ -151,10 +164,7 @@ class Registry:
             return Cursor(rows=rows), len(rows)
 
         async def fetch(offset: int, count: int):
-            response = await self._call(spec.name, self.env.Prompts(environment_pb2.PromptsRequest(
-                env_name=spec.name, count=count, seed=self.cfg.run.seed, offset=offset), timeout=30,
-                wait_for_ready=True))
-            return response.rows
+            return await self._prompts(spec.name, count, self.cfg.run.seed, offset)
 
         try:
             first = await fetch(0, CHUNK)

@@ -2,7 +2,7 @@
 tracker rows (TensorBoard, W&B, MLflow) and validation requests out.
 
     StepReport(s) ──▶ train/* + timing/* + train/buffer_size (replay Stats) ──▶ Tracker at step s + 1
-                  └─▶ due(version s + 1)? ──▶ ValidationLoop.request(s + 1)
+                  └─▶ grpo.validation_due(s + 1)? ──▶ ValidationLoop.request(s + 1)
     WeightLoaded(0) ──▶ val_at_start ──▶ ValidationLoop.request(0)
 """
 
@@ -14,7 +14,7 @@ import grpc
 
 from services.common.config import FlywheelConfig
 from services.common.pb.flywheel.v1 import replay_pb2, types_pb2
-from services.controller.evaluation import ValidationLoop, due
+from services.controller.evaluation import ValidationLoop
 
 log = logging.getLogger("flywheel.controller.reporting")
 
@@ -36,11 +36,11 @@ class Reporting:
             except grpc.aio.AioRpcError as err:  # a metric is not worth failing the step report for
                 log.warning("replay Stats failed: %s", err.code().name)
         self.tracker.log(metrics, report.step + 1)
-        if self.validation is not None and due(self.cfg, report.step + 1, report.final):
+        if self.validation is not None and self.cfg.grpo.validation_due(report.step + 1, report.final):
             self.validation.request(report.step + 1)
 
     def on_loaded(self, version: int) -> None:
-        if version == 0 and self.validation is not None and due(self.cfg, 0, final=False):
+        if version == 0 and self.validation is not None and self.cfg.grpo.validation_due(0, final=False):
             self.validation.request(0)
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@
     SubmitEnvironment / RemoveEnvironment ──put / purge──▶ keys "env.<name>" (the spec as submitted)
     controller start ──get──▶ RunState, leases, submitted specs ──▶ same mix, same next target, each
                               dataset cursor at its offset (epoch included), stale groups still re-leasable
+    a validation of version v ──put──▶ key "validated.<v>" (its metrics) ──▶ the trainer ranks checkpoints by them
 
 Dataset cursors are one integer each (data/plan.py), so the state is small and a restarted
 controller leases exactly the prompts that come next, never the epoch's first ones again, and a
@@ -15,12 +16,11 @@ lives in JetStream's file store, next to the work queue it describes.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
+from services.common.bus import VALIDATED, open_state_bucket, read_prefixed
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 
 KEY = "controller"
@@ -48,10 +48,6 @@ class RunState:
         return cls(**json.loads(data))
 
 
-def bucket_name(run: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", f"flywheel_{run}_state")
-
-
 class StateStore:
     """RunState in the run's KV bucket (history 1: only the latest matters)."""
 
@@ -63,12 +59,7 @@ class StateStore:
 
     @classmethod
     async def open(cls, js, run: str) -> StateStore:
-        name = bucket_name(run)
-        try:
-            kv = await js.key_value(name)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
-        return cls(kv)
+        return cls(await open_state_bucket(js, run))
 
     async def load(self) -> RunState | None:
         try:
@@ -106,17 +97,11 @@ class StateStore:
         return [controller_pb2.EnvironmentSpec.FromString(v) for v in values.values()]
 
     async def _values(self, prefix: str) -> dict[str, bytes]:
-        try:
-            keys = [k for k in await self.kv.keys() if k.startswith(prefix)]
-        except NoKeysError:
-            return {}
-        out = {}
-        for key in keys:
-            try:
-                out[key] = (await self.kv.get(key)).value
-            except KeyNotFoundError:  # purged between the listing and the read
-                continue
-        return out
+        return await read_prefixed(self.kv, prefix)
+
+    async def save_validated(self, version: int, metrics: dict[str, float]) -> None:
+        """A validation's metrics, for the trainer to rank checkpoints by (checkpointing.metric_name val:...)."""
+        await self.kv.put(f"{VALIDATED}{version}", json.dumps(metrics).encode())
 
     async def save(self, state: RunState) -> None:
         data = state.encode()

@@ -89,7 +89,9 @@ class EpisodeRunner:
         gives the group's engine slot to the next group there, so scoring and publishing overlap generation."""
         tok = self.engine.tokenizer
         prompt = [{"role": m.role, "content": m.content} for m in group.messages]
-        prompt_ids = prompt_token_ids(tok, prompt)
+        # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats, work queue
+        # and rpcs must not wait for it.
+        prompt_ids = await asyncio.to_thread(prompt_token_ids, tok, prompt)
         sampling = Sampling.resolve(self.default_sampling, group.sampling)
         episodes = [EpisodeState(messages=list(prompt), metadata=group.metadata,
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]

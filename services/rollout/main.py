@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig
-from services.common.errors import InvalidArgument, require
+from services.common.errors import InvalidArgument, Unavailable, require
 from services.common.logs import RateLimitedLog
 from services.common.pb.flywheel.v1 import (environment_pb2_grpc, rollout_pb2, rollout_pb2_grpc, types_pb2)
 from services.common.server import RETRIED, channel, run_service
@@ -57,7 +57,7 @@ HEARTBEAT_S = 1.0
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate for evaluation: the loaded weights, no environment."""
+    """Generate for validation and evaluation: the loaded weights; with an environment, the training's episode loop."""
 
     def __init__(self, worker: RolloutWorker) -> None:
         self.worker = worker
@@ -66,9 +66,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         require(len(request.messages) > 0, "messages must not be empty")
         require(1 <= request.n <= 64, f"n must be in 1..64, got {request.n}")
         check_sampling(request.sampling)
+        check_episodes(request.max_turns, 0.0)
+        require(request.env_name or not (request.max_turns or request.HasField("metadata")),
+                "max_turns and metadata need env_name")
         w = self.worker
         if request.sampling.stop_strings:
             await asyncio.to_thread(check_stop_strings, w.engine.tokenizer, list(request.sampling.stop_strings))
+        if request.env_name:
+            group = types_pb2.PromptGroup(
+                group_id="generate", prompt_id="generate", env_name=request.env_name, messages=request.messages,
+                metadata=request.metadata, num_generations=request.n, max_turns=request.max_turns,
+                sampling=request.sampling)
+            try:
+                episodes = await w.runner.run(group, w.worker_id)
+            except grpc.aio.AioRpcError as err:  # the environment service's answer to its Step
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    raise InvalidArgument(f"environment {request.env_name[:64]!r}: {err.details()}") from None
+                raise Unavailable(f"environment service at {w.cfg.addresses.environment}: {err.code().name} "
+                                  f"{err.details()}") from None
+            return rollout_pb2.GenerateResponse(completions=episodes.completions)
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats,
         # work queue and health checks must not wait for it.
         ids = await asyncio.to_thread(prompt_token_ids, w.engine.tokenizer,

@@ -37,17 +37,21 @@ class Saved:
     """Trainer steps the checkpoint covers (its policy version)."""
     metric: float | None
     """Value of checkpointing.metric_name at that step; None when it was not reported."""
+    pending: bool = False
+    """A val: metric that is still to come: the controller validates this version and has not reported yet."""
 
 
 def to_delete(saved: list[Saved], cfg: CheckpointingConfig) -> list[int]:
     """Steps to prune, as NeMo RL's remove_old_checkpoints: the latest always stays; of the periodic
     ones (step % save_period == 0) the best keep_top_k by metric (recency without one; ties prefer
-    the newer) stay; other non-periodic ones go. keep_top_k null keeps every periodic one."""
+    the newer) stay; other non-periodic ones go. keep_top_k null keeps every periodic one. A checkpoint whose
+    validation is pending stays until a later save can rank it (NeMo RL validates before it saves; here the
+    controller validates while the trainer goes on)."""
     if not saved:
         return []
     latest = max(s.step for s in saved)
-    periodic = [s for s in saved if s.step % cfg.save_period == 0]
-    keep = {latest}
+    periodic = [s for s in saved if s.step % cfg.save_period == 0 and not s.pending]
+    keep = {latest} | {s.step for s in saved if s.pending}
     if cfg.keep_top_k is None:
         keep |= {s.step for s in periodic}
     else:
@@ -61,11 +65,13 @@ def to_delete(saved: list[Saved], cfg: CheckpointingConfig) -> list[int]:
     return sorted(s.step for s in saved if s.step not in keep)
 
 
-def metric_value(name: str | None, metrics: dict[str, float]) -> float | None:
-    """checkpointing.metric_name ("train:reward_mean") looked up in a step's metrics ("train/reward_mean")."""
+def metric_value(name: str | None, metrics: dict[str, float], validation: dict[str, float]) -> float | None:
+    """checkpointing.metric_name looked up as NeMo RL does: "train:reward_mean" in the saved step's metrics
+    ("train/reward_mean"), "val:accuracy" in the validation of its policy version ("validation/accuracy")."""
     if name is None:
         return None
-    return metrics.get(name.replace(":", "/", 1))
+    source, key = name.split(":", 1)
+    return metrics.get(f"train/{key}") if source == "train" else validation.get(f"validation/{key}")
 
 
 class Checkpointer:
@@ -85,8 +91,10 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and (p / "training_info.json").exists()]
         return max(found)[1] if found else None
 
-    def save(self, backend, version: int, metrics: dict[str, float]) -> Path:
-        """Collective: every rank writes its shards, then rank 0 makes the checkpoint visible."""
+    def save(self, backend, version: int, metrics: dict[str, float],
+             validated: dict[int, dict[str, float]] | None = None) -> Path:
+        """Collective: every rank writes its shards, then rank 0 makes the checkpoint visible and prunes the
+        others; `validated` (policy version -> validation metrics so far) ranks them by a val: metric."""
         tmp, final = self.root / f"tmp_step_{version}", self.root / f"step_{version}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -96,11 +104,12 @@ class Checkpointer:
         torch.save(_rng_state(), tmp / "rng" / f"rank_{self.rank}.pt")
         self._barrier()
         if self.rank == 0:
-            self._finish(backend, tmp, final, version, metrics)
+            self._finish(backend, tmp, final, version, metrics, validated or {})
         self._barrier()
         return final
 
-    def _finish(self, backend, tmp: Path, final: Path, version: int, metrics: dict[str, float]) -> None:
+    def _finish(self, backend, tmp: Path, final: Path, version: int, metrics: dict[str, float],
+                validated: dict[int, dict[str, float]]) -> None:
         backend.hf_files(tmp / "hf")
         (tmp / "config.yaml").write_text(dump_config(self.cfg))
         (tmp / "run_state.json").write_text(json.dumps({"run": self.cfg.run.name, "next_step": version,
@@ -109,16 +118,24 @@ class Checkpointer:
         (tmp / "training_info.json").write_text(json.dumps(info))  # last file: marks it complete
         shutil.rmtree(final, ignore_errors=True)  # a leftover from a run that crashed after its rename
         tmp.rename(final)
-        self._prune()
+        self._prune(validated)
 
-    def _prune(self) -> None:
+    def _prune(self, validated: dict[int, dict[str, float]]) -> None:
         saved = []
         for path in self.root.glob("step_*"):
             if (m := STEP_DIR.match(path.name)) and (path / "training_info.json").exists():
-                info = json.loads((path / "training_info.json").read_text())
-                saved.append(Saved(step=int(m.group(1)), metric=metric_value(self.c.metric_name, info["metrics"])))
+                step, info = int(m.group(1)), json.loads((path / "training_info.json").read_text())
+                metric = metric_value(self.c.metric_name, info["metrics"], validated.get(step, {}))
+                saved.append(Saved(step=step, metric=metric, pending=self._pending(step, validated)))
         for step in to_delete(saved, self.c):
             shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
+
+    def _pending(self, step: int, validated: dict[int, dict[str, float]]) -> bool:
+        """The controller will report a validation of `step` that ranks it: due, not reported, and no later
+        version reported (validations run one at a time, in order: once a later one is in, this one never comes)."""
+        return (self.c.ranks_by_validation and step not in validated
+                and not any(v > step for v in validated) and self.cfg.has_validation_prompts
+                and self.cfg.grpo.validation_due(step, final=False))
 
     def restore(self, backend, path: Path) -> int:
         """Collective: load `path` into the backend and this rank's RNG; returns the step to run next."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import Gauge
 
-from services.common.bus import Bus
+from services.common.bus import Bus, open_state_bucket, read_validated
 from services.common.config import FlywheelConfig
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
@@ -71,8 +71,8 @@ class RankWork:
     def weights(self) -> dict[str, torch.Tensor]:
         return self.backend.full_state_dict()
 
-    def save(self, version: int, metrics: dict[str, float]) -> None:
-        self.checkpointer.save(self.backend, version, metrics)
+    def save(self, version: int, metrics: dict[str, float], validated: dict[int, dict[str, float]]) -> None:
+        self.checkpointer.save(self.backend, version, metrics, validated)
 
     def restore(self, path: str) -> int:
         return self.checkpointer.restore(self.backend, Path(path))
@@ -98,6 +98,8 @@ class Trainer:
         """Wall clock (unix ns) when the last sync ended: where a k = 0 step's lease delay starts."""
         self.sync_phases: dict[str, float] = {}
         self.sample_returned_ns = 0
+        self._state_bucket = None
+        """The run's KV bucket, once opened: the controller's validation results (checkpointing.metric_name val:)."""
         self.early: tuple[int, asyncio.Task] | None = None
         """(step, its Sample call) asked for while the step before it trains (k >= 1)."""
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
@@ -261,6 +263,21 @@ class Trainer:
                 self.workers.pop(w, None)  # back in at its next heartbeat
         return result.seconds
 
+    async def _validated(self) -> dict[int, dict[str, float]]:
+        """The validations the controller has reported (policy version -> metrics), when checkpoints rank by one.
+        A bucket that cannot be read ranks none: every checkpoint still due a validation is then kept, not pruned."""
+        name = self.cfg.checkpointing.metric_name
+        if not self.cfg.checkpointing.ranks_by_validation:
+            return {}
+        try:
+            if self._state_bucket is None:
+                self._state_bucket = await open_state_bucket(self.bus.js, self.cfg.run.name)
+            return await read_validated(self._state_bucket)
+        except (nats.errors.Error, OSError, TimeoutError) as err:
+            log.warning("checkpoint ranking by %s: the run's state bucket cannot be read (%s); the checkpoints "
+                        "still due a validation are kept", name, err)
+            return {}
+
     async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup],
                            *, save: bool = False) -> None:
         """Checkpoint if due (or if `save`: the trainer stops after this step), then record and report, then let
@@ -269,7 +286,7 @@ class Trainer:
         checkpointed = self.work.checkpointer.due(step + 1, final or save)
         if checkpointed:
             t0 = time.perf_counter()
-            await self._call("save", step + 1, metrics)
+            await self._call("save", step + 1, metrics, await self._validated())
             metrics["timing/train/checkpoint"] = time.perf_counter() - t0
         for name, value in metrics.items():
             STEP_METRIC.labels(name).set(value)

@@ -13,7 +13,8 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, types_pb2
-from services.controller.main import resubmit
+from services.controller.data import LoadedData, PromptSet
+from services.controller.main import resubmit, submit_data
 from services.controller.registry import Registry
 from services.controller.state import StateStore
 
@@ -163,3 +164,26 @@ async def test_a_restarted_controller_has_the_submitted_environments_in_its_mix_
         assert [s.name for s in await store.load_submitted()] == ["late"], "the unreachable one is dropped"
     finally:
         await bus.close()
+
+
+async def test_train_datasets_join_the_mix_weighted_by_their_size_as_nemo_rl_concatenates_them(registry):
+    cfg = FlywheelConfig.model_validate({"environments": [{"name": "toy", "kind": "toy_copy"}],
+                                         "grpo": {"num_prompts_per_step": 2}})
+    sets = [PromptSet(env_name="toy_copy", rows=rows(30)), PromptSet(env_name="toy_copy", rows=rows(10))]
+    data = LoadedData(train=sets, validation=[])
+    await submit_data(cfg, registry, data)
+    assert [(e.spec.name, e.spec.weight, e.num_prompts) for e in registry.all()] == [
+        ("toy_copy-0", 30.0, 30), ("toy_copy-1", 10.0, 10)]
+
+
+async def test_an_environment_generates_validation_prompts_apart_from_its_training_stream(registry):
+    await registry.submit(controller_pb2.EnvironmentSpec(
+        name="puzzle", kind="sliding_puzzle", weight=1.0, max_turns=5,
+        sampling=types_pb2.SamplingParams(stop_strings=["</action>"])))
+    held_out = await registry.generated("puzzle", 3, seed=7)
+    assert [(p.env_name, p.max_turns, list(p.sampling.stop_strings)) for p in held_out] == [
+        ("puzzle", 5, ["</action>"])] * 3
+    assert all(p.metadata["game_state"]["board"] for p in held_out)
+    assert held_out == await registry.generated("puzzle", 3, seed=7)  # the same seed, the same prompts
+    training = [await registry.entries["puzzle"].cursor.next() for _ in range(3)]  # the run's seed, 0
+    assert [p.messages for p in held_out] != [row.messages for _, row in training]

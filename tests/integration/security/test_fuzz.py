@@ -77,9 +77,10 @@ CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.N
          grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 """What a handler may answer a client's request. RESOURCE_EXHAUSTED is the transport's (a message past the
 limit; a status message too long for its trailer), never a handler's, so it fails here too."""
-PROXIES = {"environment.Prompts", "controller.SubmitEnvironment"}
-"""Rpcs that call another server (a registered remote environment; the environment service) and answer
-UNAVAILABLE, by design, when it fails: a clean status from them while their service stays up."""
+PROXIES = {"environment.Prompts", "controller.SubmitEnvironment", "rollout.Generate"}
+"""Rpcs that call another server (a registered remote environment; the environment service, which Generate
+calls when given an env_name) and answer UNAVAILABLE, by design, when it fails: a clean status from them while
+their service stays up."""
 SERVICES = ("controller", "environment", "replay", "rollout", "trainer")
 PROCESS = {"controller": "controller", "environment": "environment", "replay": "replay", "rollout": "rollout-0",
            "trainer": "trainer"}
@@ -112,6 +113,12 @@ REGRESSIONS: dict[str, list[Case]] = {
         # A prompt of megabytes was tokenized on the event loop: seconds in which the worker answered nothing
         # (every other call of the batch, and its health check, ran past the deadline)
         Case(rollout_pb2.GenerateRequest(messages=[types_pb2.ChatMessage(content="p\U000f3753" * (1 << 20))], n=1)),
+        # With an environment: one nobody registered (the environment service's NOT_FOUND, passed on as
+        # INVALID_ARGUMENT, not the handler's UNKNOWN), and turns without one
+        Case(rollout_pb2.GenerateRequest(messages=[types_pb2.ChatMessage(content="copy 3")], n=2, env_name="nope")),
+        Case(rollout_pb2.GenerateRequest(messages=[types_pb2.ChatMessage(content="copy 3")], n=1, max_turns=3)),
+        Case(rollout_pb2.GenerateRequest(messages=[types_pb2.ChatMessage(content="copy 3")], n=2,
+                                         env_name="sliding_puzzle", max_turns=1000)),
     ],
     "environment.Step": [
         # from_struct: ValueError: Fail to serialize NaN for Value.number_value (INTERNAL)

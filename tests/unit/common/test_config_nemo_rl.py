@@ -184,7 +184,6 @@ def test_a_lora_recipes_lora_cfg_is_taken_with_automodels_defaults():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["policy.lora_cfg.enabled=true", "policy.tensor_parallel_size=2"], "the adapters are not split over TP"),
     (["policy.lora_cfg.enabled=true", "policy.megatron_cfg.enabled=true"], "Megatron-Core LoRA is not built"),
     (["policy.lora_cfg.target_modules=[q_proj]", "policy.lora_cfg.exclude_modules=[lm_head]"], "not both"),
     (["policy.lora_cfg.match_all_linear=true", "policy.lora_cfg.target_modules=[q_proj]"], "match_all_linear"),
@@ -203,3 +202,30 @@ def test_a_sequence_logprob_error_threshold_is_taken_for_grpo_and_refused_where_
         load_config(CONFIGS / "prorlv2.v2.yaml", [*EDITS, "grpo.seq_logprob_error_threshold=2"])
     with pytest.raises(ConfigError, match="Megatron-Core does not take it"):
         load_config(None, ["grpo.seq_logprob_error_threshold=2", "policy.megatron_cfg.enabled=true"])
+
+
+def test_the_sliding_puzzle_config_runs_as_its_script_does():
+    """NeMo RL's grpo_sliding_puzzle.yaml (run by run_grpo_sliding_puzzle.py): the game's settings, generated
+    puzzles instead of grpo_math_1B's dataset, 50 turns, </action> ending the first turn as the later ones."""
+    cfg, notes = load(CONFIGS / "grpo_sliding_puzzle.yaml", EDITS)
+    assert [(e.name, e.kind, e.dataset, e.sampling.stop_strings) for e in cfg.environments] == [
+        ("sliding_puzzle_game", "sliding_puzzle", "", ["</action>"])]
+    assert (cfg.env.sliding_puzzle.size, cfg.env.sliding_puzzle.shuffle_moves, cfg.env.sliding_puzzle.max_moves) == (
+        5, 10, 30)
+    assert cfg.data.train is None and cfg.data.validation is None and cfg.grpo.max_rollout_turns == 50
+    assert cfg.has_validation_prompts and cfg.grpo.val_period == 10  # on generated puzzles
+    assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"
+    keys = {key for key, _ in notes}
+    assert {"env.sliding_puzzle_game", "data.train", "data.add_system_prompt"} <= keys
+    with pytest.raises(ConfigError, match="env.sliding_puzzle.size"):
+        load_config(CONFIGS / "grpo_sliding_puzzle.yaml", [*EDITS, "env.sliding_puzzle_game.cfg.game_config.size=1"])
+
+
+def test_multiple_dataloader_settings_are_inert_while_use_multiple_dataloader_is_false():
+    """NeMo RL's grpo_multiple_datasets.yaml sets them with use_multiple_dataloader: false, where NeMo RL reads
+    neither; its two train datasets are concatenated (here: mixed in proportion to their sizes)."""
+    extra = ["++data.num_prompts_per_dataloader=16", "++data.custom_dataloader=examples.custom_dataloader.f"]
+    _, notes = load(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *extra])
+    assert {"data.num_prompts_per_dataloader", "data.custom_dataloader"} <= {key for key, _ in notes}
+    with pytest.raises(ConfigError, match="data.use_multiple_dataloader"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *extra, "data.use_multiple_dataloader=true"])

@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from services.common.config import load_config
-from services.controller.evaluation import PromptResult, due, pass_at_k, summarize
+from services.controller.evaluation import PromptResult, pass_at_k, summarize
 from services.controller.tracking import Tracker, tensorboard_dir
 
 
@@ -52,8 +52,9 @@ def test_summary_averages_pass_at_k_over_prompts_and_accuracy_over_samples():
 def test_validation_schedule_follows_nemo_rl_keys():
     cfg = load_config(None, ["grpo.val_period=3", "grpo.val_start_at=5", "grpo.val_at_start=true",
                              "grpo.val_at_end=true"])
-    assert [v for v in range(12) if due(cfg, v, final=False)] == [0, 6, 9]
-    assert due(cfg, 11, final=True) and not due(load_config(None, ["grpo.val_period=3"]), 11, final=True)
+    assert [v for v in range(12) if cfg.grpo.validation_due(v, final=False)] == [0, 6, 9]
+    assert cfg.grpo.validation_due(11, final=True)
+    assert not load_config(None, ["grpo.val_period=3"]).grpo.validation_due(11, final=True)
 
 
 def test_tracker_writes_tensorboard_event_files_without_torch(tmp_path):

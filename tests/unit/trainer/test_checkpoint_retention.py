@@ -31,6 +31,20 @@ def test_keep_top_k_null_keeps_every_periodic_checkpoint():
     assert to_delete(saved((10, None), (15, None), (20, None), (23, None)), cfg) == [15]
 
 
-def test_metric_names_map_to_step_metric_keys():
-    assert metric_value("train:reward_mean", {"train/reward_mean": 0.5}) == 0.5
-    assert metric_value("val:accuracy", {"train/reward_mean": 0.5}) is None
+def test_metric_names_map_to_the_step_s_metrics_or_its_validation():
+    train, validation = {"train/reward_mean": 0.5, "train/accuracy": 0.1}, {"validation/accuracy": 0.75}
+    assert metric_value("train:reward_mean", train, validation) == 0.5
+    assert metric_value("val:accuracy", train, validation) == 0.75
+    assert metric_value("val:accuracy", train, {}) is None  # not validated: ranks last, as in NeMo RL
+    assert metric_value("val:reward_mean", train, validation) is None
+
+
+def test_a_checkpoint_whose_validation_is_pending_stays_until_it_can_be_ranked():
+    cfg = CheckpointingConfig(save_period=10, keep_top_k=1, metric_name="val:accuracy")
+    # 30 is not validated yet: kept beside the best ranked (10) and the latest (40)
+    steps = [Saved(step=10, metric=0.9), Saved(step=20, metric=0.2), Saved(step=30, metric=None, pending=True),
+             Saved(step=40, metric=None, pending=True)]
+    assert to_delete(steps, cfg) == [20]
+    # once reported, 30 is ranked like the others
+    steps[2] = Saved(step=30, metric=0.5)
+    assert to_delete(steps, cfg) == [20, 30]

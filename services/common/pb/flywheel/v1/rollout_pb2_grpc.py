@@ -45,7 +45,8 @@ class RolloutServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Samples completions for one prompt with the weights loaded now (no environment call).
+        """Samples completions for one prompt with the weights loaded now. With env_name, each completion is an
+        episode of the training loop (generation and environment turns) and carries its reward; nothing is published.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
