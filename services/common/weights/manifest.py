@@ -163,11 +163,17 @@ class Checksum:
         self._h = xxhash.xxh3_64()
 
     def update(self, tensors: Iterable[torch.Tensor]) -> Checksum:
-        parts = [sample(t) for t in tensors]
-        if parts and parts[0].device.type != "cpu":
-            parts = [torch.cat(parts).cpu()]  # hashing a concatenation equals hashing its parts in order
-        for p in parts:
-            self._h.update(p.numpy())
+        tensors = list(tensors)
+        if tensors and tensors[0].device.type != "cpu":
+            # One gather on the device, one copy to the host: hashing a concatenation equals hashing its parts.
+            self._h.update(torch.cat([sample(t) for t in tensors]).cpu().numpy())
+            return self
+        for t in tensors:
+            # On the host the blocks are hashed in place, through numpy views: no copy and no torch op per block
+            # (100 MB decoder layout: 1.65 ms against 4.1 ms for torch.cat of the 64 slices; docs/weight_sync.md).
+            flat = _bytes(t).numpy()
+            for start, stop in _sampled_ranges(flat.size):
+                self._h.update(flat[start:stop])
         return self
 
     def hexdigest(self) -> str:
@@ -176,10 +182,21 @@ class Checksum:
 
 def sample(t: torch.Tensor) -> torch.Tensor:
     """The bytes of `t` that the checksum reads, as a flat uint8 tensor on `t`'s device."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    if n <= SAMPLE_BYTES:
+    flat = _bytes(t)
+    ranges = _sampled_ranges(flat.numel())
+    if len(ranges) == 1:
         return flat
+    return torch.cat([flat[start:stop] for start, stop in ranges])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _sampled_ranges(n: int) -> list[tuple[int, int]]:
+    """The [start, stop) byte ranges of an n-byte tensor that the checksum reads, in order."""
+    if n <= SAMPLE_BYTES:
+        return [(0, n)]
     block = SAMPLE_BYTES // SAMPLE_BLOCKS
     starts = [(n - block) * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
-    return torch.cat([flat[s : s + block] for s in starts])
+    return [(start, start + block) for start in starts]

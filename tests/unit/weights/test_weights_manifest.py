@@ -124,6 +124,18 @@ def test_checksum_folded_piece_by_piece_equals_the_whole():
     assert folded.hexdigest() == checksum(s.values())
 
 
+def test_the_hosts_in_place_blocks_hash_as_the_devices_gathered_sample():
+    """On the host the checksum hashes each sampled block in place; a device gathers them with `sample` first.
+    Both must give one digest, or a CPU receiver would nack a GPU trainer's version."""
+    import xxhash
+
+    s = {**_state(), "huge": torch.randn(SAMPLE_BYTES), "strided": torch.randn(512, 300).t()}
+    gathered = xxhash.xxh3_64()
+    for t in s.values():
+        gathered.update(sample(t).numpy())
+    assert checksum(s.values()) == gathered.hexdigest()
+
+
 @pytest.mark.gpu
 def test_checksum_is_the_same_on_cuda_and_cpu():
     if not torch.cuda.is_available():
