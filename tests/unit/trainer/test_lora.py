@@ -20,10 +20,11 @@ def _adapted(lora: LoRAConfig, *overrides: str):
     cfg = config(*overrides)
     model, tokenizer = load_policy(cfg.policy, seed=1)
     apply_lora(model, lora, seed=1)
+    g = torch.Generator().manual_seed(1)  # its own: the global generator's state depends on the tests run before
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, LoRALinear):
-                m.lora_B.weight.normal_(std=0.05)
+                m.lora_B.weight.normal_(std=0.05, generator=g)
     return model, tokenizer, cfg
 
 
