@@ -282,6 +282,11 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
                 continue
             print(_progress_line(cfg, report, time.monotonic() - started), flush=True)
             if report.final:
+                g = cfg.grpo
+                if report.step + 1 < g.max_num_steps:  # only an early stop ends a run before its last step
+                    print(f"the run ended after step {report.step + 1}: a validation reached "
+                          f"{g.stop_at_validation_metric} >= {g.stop_at_validation_threshold:g} "
+                          f"(grpo.stop_at_validation_metric; {cfg.run.run_dir}/validation.jsonl)", flush=True)
                 await _final_validation(cfg, report.step + 1, children)
                 return 0
     finally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Container
 from dataclasses import dataclass
 
 import nats
@@ -203,10 +203,10 @@ async def open_state_bucket(js: JetStreamContext, run: str):
         return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
 
 
-async def read_prefixed(kv, prefix: str) -> dict[str, bytes]:
-    """Every key of the bucket that starts with `prefix`, with its value."""
+async def read_prefixed(kv, prefix: str, skip: Container[str] = ()) -> dict[str, bytes]:
+    """Every key of the bucket that starts with `prefix`, with its value; the keys in `skip` are not read."""
     try:
-        keys = [k for k in await kv.keys() if k.startswith(prefix)]
+        keys = [k for k in await kv.keys() if k.startswith(prefix) and k not in skip]
     except NoKeysError:
         return {}
     out = {}
@@ -218,7 +218,9 @@ async def read_prefixed(kv, prefix: str) -> dict[str, bytes]:
     return out
 
 
-async def read_validated(kv) -> dict[int, dict[str, float]]:
-    """Policy version -> its validation metrics (e.g. {"validation/accuracy": 0.5}), as the controller put them."""
+async def read_validated(kv, known: Collection[int] = ()) -> dict[int, dict[str, float]]:
+    """Policy version -> its validation metrics (e.g. {"validation/accuracy": 0.5}), as the controller put them; the
+    versions in `known` are left out (a version's validation is written once, so a reader can keep what it read)."""
+    skip = {f"{VALIDATED}{version}" for version in known}
     return {int(key.removeprefix(VALIDATED)): json.loads(value)
-            for key, value in (await read_prefixed(kv, VALIDATED)).items()}
+            for key, value in (await read_prefixed(kv, VALIDATED, skip)).items()}

@@ -109,6 +109,12 @@ class AsyncGRPOConfig(Section):
         return self
 
 
+def validation_key(metric: str, n: int) -> str:
+    """NeMo RL's name of a validation metric -> the key Flywheel's validation reports it under (n samples per prompt):
+    pass_k is validation/pass@n, the others validation/<name>."""
+    return f"validation/pass@{n}" if metric == "pass_k" else f"validation/{metric}"
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(16, gt=0)
     """Prompt groups in one optimizer step."""
@@ -131,9 +137,13 @@ class GRPOConfig(Section):
     """Validation prompts used, at most (each sampled val_num_generations_per_prompt times); null: all."""
     val_num_generations_per_prompt: int = Field(1, gt=0, le=64)
     """Completions per validation prompt; k > 1 also reports pass@k."""
-    stop_at_validation_metric: None = None
-    """Early stopping on a validation metric is not built; null only."""
-    stop_at_validation_threshold: None = None
+    stop_at_validation_metric: Literal["accuracy", "avg_length", "pass_k"] | None = None
+    """End the run once a validation's metric reaches stop_at_validation_threshold (NeMo RL's names; pass_k is
+    pass@n with n = val_num_generations_per_prompt). The trainer saves after the step in which it reads that
+    validation, as at a last step, and stops; validation runs beside training, so that is a step or more after the
+    version validated (docs/data.md). Null: no early stop."""
+    stop_at_validation_threshold: float | None = None
+    """metric >= threshold stops the run, as in NeMo RL. Required with stop_at_validation_metric."""
     max_rollout_turns: int = Field(1, gt=0)
     """Environment turns per episode."""
     normalize_rewards: bool = True
@@ -171,6 +181,10 @@ class GRPOConfig(Section):
         periodic = self.val_period > 0 and version % self.val_period == 0 and version >= self.val_start_at
         return periodic or (final and self.val_at_end)
 
+    def validation_key(self, metric: str) -> str:
+        """NeMo RL's name of a validation metric (accuracy, pass_k, ...) -> the key validation reports it under."""
+        return validation_key(metric, self.val_num_generations_per_prompt)
+
     @property
     def max_staleness(self) -> int:
         """k, the bound every service enforces: 0 (synchronous) unless async_grpo is enabled."""
@@ -193,6 +207,18 @@ class GRPOConfig(Section):
             raise ValueError(f"seq_logprob_error_threshold with adv_estimator {self.adv_estimator.name!r} is not built: "
                              "NeMo RL masks before that estimator whitens over the step's sequences, and Flywheel "
                              "computes advantages before the trainer's logprobs")
+        return self
+
+    @model_validator(mode="after")
+    def _early_stop_pairing(self) -> GRPOConfig:
+        metric, threshold = self.stop_at_validation_metric, self.stop_at_validation_threshold
+        if (metric is None) != (threshold is None):
+            raise ValueError("stop_at_validation_metric and stop_at_validation_threshold are set together, as in NeMo RL")
+        if metric == "pass_k" and self.val_num_generations_per_prompt <= 1:
+            raise ValueError("stop_at_validation_metric 'pass_k' needs val_num_generations_per_prompt > 1, as in NeMo RL")
+        if metric is not None and not self.validates:
+            raise ValueError("stop_at_validation_metric: no validation is ever due (val_period, val_at_start and "
+                             "val_at_end are all off), so the run could never stop on it")
         return self
 
     @model_validator(mode="after")
@@ -777,6 +803,13 @@ class FlywheelConfig(Section):
         if not self.environments and not self.data.train_sets():
             raise ValueError("nothing to train on: set data.train (a dataset) or an `environments` entry; the toy "
                              "task runs only when named (environments: [{name: toy, kind: toy_copy}])")
+        return self
+
+    @model_validator(mode="after")
+    def _early_stop_has_validation_prompts(self) -> FlywheelConfig:
+        if self.grpo.stop_at_validation_metric is not None and not self.has_validation_prompts:
+            raise ValueError("grpo.stop_at_validation_metric: there is nothing to validate on (data.validation, a "
+                             "split_validation_size hold-out, or an environment that generates its prompts)")
         return self
 
     @model_validator(mode="after")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.common.config import CheckpointingConfig, FlywheelConfig, dump_config
+from services.common.config import CheckpointingConfig, FlywheelConfig, dump_config, validation_key
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -65,13 +65,14 @@ def to_delete(saved: list[Saved], cfg: CheckpointingConfig) -> list[int]:
     return sorted(s.step for s in saved if s.step not in keep)
 
 
-def metric_value(name: str | None, metrics: dict[str, float], validation: dict[str, float]) -> float | None:
+def metric_value(name: str | None, metrics: dict[str, float], validation: dict[str, float], n: int) -> float | None:
     """checkpointing.metric_name looked up as NeMo RL does: "train:reward_mean" in the saved step's metrics
-    ("train/reward_mean"), "val:accuracy" in the validation of its policy version ("validation/accuracy")."""
+    ("train/reward_mean"), "val:accuracy" in the validation of its policy version ("validation/accuracy"; "val:pass_k"
+    is "validation/pass@n", n samples per validation prompt)."""
     if name is None:
         return None
     source, key = name.split(":", 1)
-    return metrics.get(f"train/{key}") if source == "train" else validation.get(f"validation/{key}")
+    return metrics.get(f"train/{key}") if source == "train" else validation.get(validation_key(key, n))
 
 
 class Checkpointer:
@@ -125,7 +126,8 @@ class Checkpointer:
         for path in self.root.glob("step_*"):
             if (m := STEP_DIR.match(path.name)) and (path / "training_info.json").exists():
                 step, info = int(m.group(1)), json.loads((path / "training_info.json").read_text())
-                metric = metric_value(self.c.metric_name, info["metrics"], validated.get(step, {}))
+                metric = metric_value(self.c.metric_name, info["metrics"], validated.get(step, {}),
+                                      self.cfg.grpo.val_num_generations_per_prompt)
                 saved.append(Saved(step=step, metric=metric, pending=self._pending(step, validated)))
         for step in to_delete(saved, self.c):
             shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from prometheus_client import Gauge
 
 from services.common.bus import Bus, open_state_bucket, read_validated
-from services.common.config import FlywheelConfig
+from services.common.config import FlywheelConfig, GRPOConfig
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 from services.common.server import (RETRIED, RPC_ERRORS, channel, freeze_startup_heap, in_daemon_thread, retrying,
@@ -78,6 +78,30 @@ class RankWork:
         return self.checkpointer.restore(self.backend, Path(path))
 
 
+class Validations:
+    """The validations the controller reports (policy version -> metrics), read from the run's NATS KV bucket: checkpoints
+    rank by them (checkpointing.metric_name val:...) and grpo.stop_at_validation_metric ends the run on them."""
+
+    def __init__(self, bus: Bus, run: str) -> None:
+        self.bus = bus
+        self.run = run
+        self._bucket = None
+        self._known: dict[int, dict[str, float]] = {}
+        """What was read so far: a version's validation is written once, so only new keys are read."""
+
+    async def read(self, why: str) -> dict[int, dict[str, float]]:
+        """Every validation reported so far; none, with a warning naming `why` they were wanted, when the bucket
+        cannot be read."""
+        try:
+            if self._bucket is None:
+                self._bucket = await open_state_bucket(self.bus.js, self.run)
+            self._known.update(await read_validated(self._bucket, known=self._known))
+        except (nats.errors.Error, OSError, TimeoutError) as err:
+            log.warning("%s: the run's state bucket cannot be read (%s)", why, err)
+            return {}
+        return dict(self._known)
+
+
 class Trainer:
     def __init__(self, cfg: FlywheelConfig, ranks: Lockstep, bus: Bus, sender: WeightSender) -> None:
         self.cfg = cfg
@@ -98,8 +122,7 @@ class Trainer:
         """Wall clock (unix ns) when the last sync ended: where a k = 0 step's lease delay starts."""
         self.sync_phases: dict[str, float] = {}
         self.sample_returned_ns = 0
-        self._state_bucket = None
-        """The run's KV bucket, once opened: the controller's validation results (checkpointing.metric_name val:)."""
+        self.validations = Validations(bus, cfg.run.name)
         self.early: tuple[int, asyncio.Task] | None = None
         """(step, its Sample call) asked for while the step before it trains (k >= 1)."""
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
@@ -144,7 +167,15 @@ class Trainer:
                 report["timing/train/total_step_time"] = time.perf_counter() - t_prev
                 t_prev = time.perf_counter()
                 late = out_of_time(limit_s, time.monotonic() - started, (t_prev - looping) / (step + 1 - start))
-                await self._finish_step(step, report, groups, save=late)
+                reached = await self._early_stop()
+                await self._finish_step(step, report, groups, save=late, final=reached is not None)
+                if reached is not None:
+                    version, value = reached
+                    log.warning("grpo.stop_at_validation_metric: the validation of version %d has %s %.4f >= %g: "
+                                "the run ends after %d steps (%s)", version, self.cfg.grpo.stop_at_validation_metric,
+                                value, self.cfg.grpo.stop_at_validation_threshold, step + 1,
+                                "checkpoint saved" if self.cfg.checkpointing.enabled else "checkpointing is disabled")
+                    return
                 if late:
                     log.warning("checkpointing.checkpoint_must_save_by (%s) is near: stopping after step %d (%s); "
                                 "start the run again with --resume to go on",
@@ -264,25 +295,26 @@ class Trainer:
         return result.seconds
 
     async def _validated(self) -> dict[int, dict[str, float]]:
-        """The validations the controller has reported (policy version -> metrics), when checkpoints rank by one.
-        A bucket that cannot be read ranks none: every checkpoint still due a validation is then kept, not pruned."""
+        """The reported validations, when checkpoints rank by one. None read ranks none: every checkpoint still due
+        a validation is then kept, not pruned."""
         name = self.cfg.checkpointing.metric_name
         if not self.cfg.checkpointing.ranks_by_validation:
             return {}
-        try:
-            if self._state_bucket is None:
-                self._state_bucket = await open_state_bucket(self.bus.js, self.cfg.run.name)
-            return await read_validated(self._state_bucket)
-        except (nats.errors.Error, OSError, TimeoutError) as err:
-            log.warning("checkpoint ranking by %s: the run's state bucket cannot be read (%s); the checkpoints "
-                        "still due a validation are kept", name, err)
-            return {}
+        return await self.validations.read(f"checkpoint ranking by {name} (the checkpoints still due a validation "
+                                           f"are kept)")
+
+    async def _early_stop(self) -> tuple[int, float] | None:
+        """grpo.stop_at_validation_metric: (version, value) of a reported validation that reached the threshold."""
+        if self.cfg.grpo.stop_at_validation_metric is None:
+            return None
+        return reached_threshold(await self.validations.read("grpo.stop_at_validation_metric"), self.cfg.grpo)
 
     async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup],
-                           *, save: bool = False) -> None:
+                           *, save: bool = False, final: bool = False) -> None:
         """Checkpoint if due (or if `save`: the trainer stops after this step), then record and report, then let
-        replay free what the checkpoint covers."""
-        final = step + 1 == self.cfg.grpo.max_num_steps
+        replay free what the checkpoint covers. The last step (max_num_steps, or `final`: an early stop) saves and
+        reports itself final, which ends the run."""
+        final = final or step + 1 == self.cfg.grpo.max_num_steps
         checkpointed = self.work.checkpointer.due(step + 1, final or save)
         if checkpointed:
             t0 = time.perf_counter()
@@ -326,6 +358,16 @@ def out_of_time(limit_s: float | None, elapsed_s: float, mean_step_s: float) -> 
     """checkpointing.checkpoint_must_save_by as NeMo RL's TimeoutChecker(fit_last_save_time=True) reads it: stop
     after this step if one more step of the mean length would end past the limit (None: no limit)."""
     return limit_s is not None and elapsed_s + mean_step_s >= limit_s
+
+
+def reached_threshold(validated: dict[int, dict[str, float]], grpo: GRPOConfig) -> tuple[int, float] | None:
+    """(version, value) of the earliest validation whose grpo.stop_at_validation_metric is >= the threshold."""
+    key = grpo.validation_key(grpo.stop_at_validation_metric)
+    for version in sorted(validated):
+        value = validated[version].get(key)
+        if value is not None and value >= grpo.stop_at_validation_threshold:
+            return version, value
+    return None
 
 
 def group_timeline(groups, synced_at_ns: int, sample_returned_ns: int) -> dict[str, float]:

@@ -204,6 +204,24 @@ def test_a_sequence_logprob_error_threshold_is_taken_for_grpo_and_refused_where_
         load_config(None, ["grpo.seq_logprob_error_threshold=2", "policy.megatron_cfg.enabled=true"])
 
 
+def test_an_early_stop_on_a_validation_metric_is_taken_with_nemo_rls_checks():
+    stop = ["grpo.stop_at_validation_metric=pass_k", "grpo.stop_at_validation_threshold=0.8"]
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *stop, "grpo.val_num_generations_per_prompt=4"])
+    assert cfg.grpo.validation_key(cfg.grpo.stop_at_validation_metric) == "validation/pass@4"
+    with pytest.raises(ConfigError, match="pass_k' needs val_num_generations_per_prompt > 1"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *stop])
+    with pytest.raises(ConfigError, match="set together"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.stop_at_validation_metric=accuracy"])
+    with pytest.raises(ConfigError, match="Input should be 'accuracy', 'avg_length' or 'pass_k'"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.stop_at_validation_metric=reward",
+                                                    "grpo.stop_at_validation_threshold=1"])
+    accuracy = ["grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.5"]
+    with pytest.raises(ConfigError, match="no validation is ever due"):
+        load_config(None, accuracy)
+    with pytest.raises(ConfigError, match="nothing to validate on"):
+        load_config(None, [*accuracy, "grpo.val_period=2", "environments=[]", "data.train.data_path=x.jsonl"])
+
+
 def test_the_sliding_puzzle_config_runs_as_its_script_does():
     """NeMo RL's grpo_sliding_puzzle.yaml (run by run_grpo_sliding_puzzle.py): the game's settings, generated
     puzzles instead of grpo_math_1B's dataset, 50 turns, </action> ending the first turn as the later ones."""

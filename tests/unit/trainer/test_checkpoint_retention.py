@@ -32,11 +32,13 @@ def test_keep_top_k_null_keeps_every_periodic_checkpoint():
 
 
 def test_metric_names_map_to_the_step_s_metrics_or_its_validation():
-    train, validation = {"train/reward_mean": 0.5, "train/accuracy": 0.1}, {"validation/accuracy": 0.75}
-    assert metric_value("train:reward_mean", train, validation) == 0.5
-    assert metric_value("val:accuracy", train, validation) == 0.75
-    assert metric_value("val:accuracy", train, {}) is None  # not validated: ranks last, as in NeMo RL
-    assert metric_value("val:reward_mean", train, validation) is None
+    train = {"train/reward_mean": 0.5, "train/accuracy": 0.1}
+    validation = {"validation/accuracy": 0.75, "validation/pass@4": 0.9}
+    assert metric_value("train:reward_mean", train, validation, 4) == 0.5
+    assert metric_value("val:accuracy", train, validation, 4) == 0.75
+    assert metric_value("val:pass_k", train, validation, 4) == 0.9  # NeMo RL's pass_k is pass@n
+    assert metric_value("val:accuracy", train, {}, 4) is None  # not validated: ranks last, as in NeMo RL
+    assert metric_value("val:reward_mean", train, validation, 4) is None
 
 
 def test_a_checkpoint_whose_validation_is_pending_stays_until_it_can_be_ranked():
