@@ -1,7 +1,8 @@
 """The `flywheel` command.
 
     flywheel up [--config F] [--run-dir D] [key=value ...]     everything on this machine, tiny model by default
-    flywheel serve SERVICE [--config F] [key=value ...]         one service (controller|rollout|environment|replay|trainer)
+    flywheel serve SERVICE [--config F] [key=value ...]         one service (controller|rollout|environment|replay|trainer
+                                                                |reward_model)
     flywheel env submit|list|remove ...                         change the environment mix of a running job
     flywheel status [--json]                                    where a running job is (env and status find
                                                                 the local run: newest live runs/*/, or --run-dir)
@@ -25,6 +26,9 @@ from services.common.errors import RUN_FAILED_EXIT, RunFailed
 from services.common.logs import setup_logging
 
 SERVICES = ("controller", "rollout", "environment", "replay", "trainer")
+SERVE_MODULES = {**{s: f"services.{s}.main" for s in SERVICES}, "reward_model": "services.rollout.reward_model"}
+"""`flywheel serve NAME` -> the module whose serve(cfg) runs it: the five services, and env.reward_model's server
+(a model, so it lives with rollout), which a run starts only when an environment of kind reward_model is used."""
 
 
 def _config(args) -> FlywheelConfig:
@@ -36,7 +40,7 @@ def cmd_serve(args) -> int:
         args.overrides = [*args.overrides, f"trainer.nproc_per_node={args.nproc_per_node}"]
     cfg = _config(args)
     setup_logging(args.service, cfg.run.name, cfg.telemetry.log_level)
-    module = importlib.import_module(f"services.{args.service}.main")  # heavy imports happen here
+    module = importlib.import_module(SERVE_MODULES[args.service])  # heavy imports happen here
     try:
         asyncio.run(module.serve(cfg))
     except RunFailed as err:
@@ -138,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service")
-    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("service", choices=SERVE_MODULES)
     serve.add_argument("--nproc-per-node", type=int, help="trainer only: ranks to start here (trainer.nproc_per_node)")
     with_config(serve).set_defaults(func=cmd_serve)
 

@@ -178,7 +178,7 @@ def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Pat
     cfg = cfg.model_copy(deep=True)
     a = cfg.addresses
     a.nats_url, a.redis_url = nats.url, redis.url
-    for service in ("controller", "environment", "replay", "rollout", "trainer"):
+    for service in ("controller", "environment", "replay", "rollout", "trainer", "reward_model"):
         setattr(a, service, f"127.0.0.1:{free_port()}")
     cfg.run.run_dir = str(run_dir)
     return cfg
@@ -207,6 +207,8 @@ class LocalStack:
         self.config_path = write_resolved(self.cfg, run_dir)
 
     def start_services(self) -> None:
+        if self.cfg.uses_reward_model:  # first: it loads a model, and the environment service waits for it
+            self.children.start("reward_model", "reward_model", self.config_path)
         for service in START_ORDER:
             if service != "rollout":
                 self.children.start(service, service, self.config_path)

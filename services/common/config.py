@@ -109,6 +109,10 @@ class AsyncGRPOConfig(Section):
         return self
 
 
+REWARD_MODEL = "reward_model"
+"""The environment kind scored by env.reward_model's server rather than by the environment service itself."""
+
+
 def validation_key(metric: str, n: int) -> str:
     """NeMo RL's name of a validation metric -> the key Flywheel's validation reports it under (n samples per prompt):
     pass_k is validation/pass@n, the others validation/<name>."""
@@ -564,7 +568,8 @@ class EnvironmentSpec(Section):
 
     name: str = Field(min_length=1)
     kind: str = ""
-    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy); empty when `address` is set."""
+    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy, reward_model: env.reward_model's
+    server); empty when `address` is set."""
     address: str = ""
     """host:port of a remote EnvironmentService; empty for built-ins."""
     dataset: str = ""
@@ -606,6 +611,8 @@ class ServiceAddresses(Section):
     replay: str = "127.0.0.1:50053"
     rollout: str = "127.0.0.1:50054"
     trainer: str = "127.0.0.1:50055"
+    reward_model: str = "127.0.0.1:50056"
+    """The reward-model server (`flywheel serve reward_model`), when an environment of kind reward_model is used."""
     host: str = "127.0.0.1"
     """Host this process advertises to peers (weight-channel rendezvous)."""
 
@@ -792,6 +799,14 @@ class FlywheelConfig(Section):
         return [spec.name for spec in self.environments if not spec.dataset]
 
     @property
+    def uses_reward_model(self) -> bool:
+        """An environment of kind reward_model is in the mix (an `environments` entry, or a dataset's env_name):
+        the run needs the reward-model server."""
+        kinds = {spec.kind for spec in self.environments}
+        kinds |= {d.env_name for d in (*self.data.train_sets(), *self.data.validation_sets())}
+        return REWARD_MODEL in kinds
+
+    @property
     def has_validation_prompts(self) -> bool:
         """data.validation, a split_validation_size hold-out, or (with neither) an `environments` entry that
         generates its prompts: the controller validates on those (controller/evaluation.py)."""
@@ -803,6 +818,17 @@ class FlywheelConfig(Section):
         if not self.environments and not self.data.train_sets():
             raise ValueError("nothing to train on: set data.train (a dataset) or an `environments` entry; the toy "
                              "task runs only when named (environments: [{name: toy, kind: toy_copy}])")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_is_named(self) -> FlywheelConfig:
+        rm = self.env.reward_model
+        if self.uses_reward_model and rm.model_name is None:
+            raise ValueError("env.reward_model.model_name: the reward_model environment needs a reward model (a "
+                             "Hugging Face id or path of a sequence-classification model with one label)")
+        if self.uses_reward_model and rm.timeout_s >= self.rollout.step_timeout_s:
+            raise ValueError(f"env.reward_model.timeout_s {rm.timeout_s:g} must be below rollout.step_timeout_s "
+                             f"({self.rollout.step_timeout_s:g}), the deadline of rollout's Step calls")
         return self
 
     @model_validator(mode="after")

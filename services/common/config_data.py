@@ -169,12 +169,47 @@ class SlidingPuzzleEnvConfig(Section):
     """Moves allowed per episode; 0 = twice the board's own shuffle moves, plus 4. NeMo RL: cfg.max_moves."""
 
 
+class RewardModelTypeConfig(Section):
+    """NeMo RL `env.reward_model.reward_model_cfg`."""
+
+    enabled: bool = True
+    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+    """A sequence-classification model with one output: the score of the whole conversation."""
+
+
+class RewardModelEnvConfig(Section):
+    """NeMo RL `env.reward_model`: the environment kind reward_model scores each whole conversation (prompt and
+    response, through the reward model's own chat template) with a Bradley-Terry reward model. `flywheel serve
+    reward_model` hosts it (services/rollout/reward_model.py); the environment service forwards to it."""
+
+    model_name: str | None = None
+    """A Hugging Face id or local path of a sequence-classification model with one label (e.g.
+    Skywork/Skywork-Reward-V2-Qwen3-0.6B); "tiny": a random one built here, for tests. Required by the kind."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    """The reward model's tokenizer (null name: the model's) and chat template (null: the messages' text joined)."""
+    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    batch_size: int = Field(32, gt=0)
+    """Conversations scored in one forward."""
+    max_model_len: int = Field(2048, gt=0)
+    """Tokens of a conversation scored at most; a longer one keeps its last max_model_len (the response's end)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one Step call to the reward-model server (it waits for the server to come up within it)."""
+    reward_model_cfg: RewardModelTypeConfig = RewardModelTypeConfig()
+
+    @model_validator(mode="after")
+    def _enabled(self) -> RewardModelEnvConfig:
+        if not self.reward_model_cfg.enabled:
+            raise ValueError("reward_model_cfg.enabled: false leaves env.reward_model nothing to score with")
+        return self
+
+
 class EnvConfig(Section):
     """NeMo RL `env`: settings of built-in environments."""
 
     math: MathEnvConfig = MathEnvConfig()
     math_multi_reward: MathMultiRewardEnvConfig = MathMultiRewardEnvConfig()
     sliding_puzzle: SlidingPuzzleEnvConfig = SlidingPuzzleEnvConfig()
+    reward_model: RewardModelEnvConfig = RewardModelEnvConfig()
 
 
 class WandbConfig(Section):

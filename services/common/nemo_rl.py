@@ -145,6 +145,18 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.zmq_refit_server_port", _is(None), "ZMQ refit is not built"),
     Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", _is(False), "multimodal is not built"),
     Rule("data.num_workers", _any, "the controller reads rows itself; no loader workers"),
+    Rule("env.reward_model.processor", _any, "the prompts are shaped by the datasets' own processor (data.*)"),
+    Rule("env.reward_model.checkpoint_path", _is(None),
+         "the reward model loads from model_name (a Hugging Face id or directory); DCP checkpoints are not read"),
+    Rule("env.reward_model.offload_optimizer_for_logprob", _any, "the reward model only scores: no optimizer"),
+    Rule("env.reward_model.max_grad_norm", _any, "the reward model only scores: no gradients"),
+    Rule("env.reward_model.resources", _any,
+         "the reward-model server is one process (flywheel serve reward_model), on one GPU where CUDA is present"),
+    Rule("env.reward_model.dtensor_cfg", lambda v, _: (v or {}).get("tensor_parallel_size", 1) == 1
+         and (v or {}).get("context_parallel_size", 1) == 1 and not (v or {}).get("cpu_offload"),
+         "the reward model runs whole in one process: no tensor or context parallelism, no offload"),
+    Rule("env.reward_model.dynamic_batching", _off, "the server scores env.reward_model.batch_size conversations at once"),
+    Rule("env.reward_model.sequence_packing", _off, "the server scores env.reward_model.batch_size conversations at once"),
     Rule("data.add_system_prompt", _is(False), "a variable NeMo RL's sliding-puzzle script hands the chat template; "
          "unset, a template reads it as false (set policy.tokenizer.chat_template_kwargs for a template that reads it)"),
     Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),

@@ -27,6 +27,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter
 
+from services.common.config import SecurityConfig
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.common.server import channel
@@ -62,7 +63,11 @@ class RemoteFailure(Exception):
 class RemoteEnvironment:
     def __init__(self, name: str, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = RETRIES,
                  backoff_s: float = BACKOFF_S, breaker_failures: int = BREAKER_FAILURES,
-                 breaker_open_s: float = BREAKER_OPEN_S, tracer: trace.Tracer | None = None) -> None:
+                 breaker_open_s: float = BREAKER_OPEN_S, tracer: trace.Tracer | None = None,
+                 security: SecurityConfig | None = None, wait_for_ready: bool = False) -> None:
+        """`security`: the run's own, only for a server of the run (the reward model), never a third party's.
+        `wait_for_ready`: a call waits (within its deadline) for a server that is not up yet, as the run's reward-model
+        server is while it loads its model, instead of failing at once."""
         self.name = name
         self.address = address
         self.timeout_s = timeout_s
@@ -70,7 +75,8 @@ class RemoteEnvironment:
         self.backoff_s = backoff_s
         self.breaker_failures = breaker_failures
         self.breaker_open_s = breaker_open_s
-        self._channel = channel(address, CHANNEL_OPTIONS)
+        self.wait_for_ready = wait_for_ready
+        self._channel = channel(address, CHANNEL_OPTIONS, security=security)
         self._stub = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._tracer = tracer or trace.get_tracer("flywheel.environment")
         self._failures = 0
@@ -141,7 +147,7 @@ class RemoteEnvironment:
             if timeout <= 0:
                 raise RemoteFailure("deadline", "caller's deadline reached before the remote answered")
             try:
-                return await getattr(self._stub, rpc)(request, timeout=timeout)
+                return await getattr(self._stub, rpc)(request, timeout=timeout, wait_for_ready=self.wait_for_ready)
             except grpc.aio.AioRpcError as err:
                 pause = self.backoff_s * 2**attempt
                 if (err.code() not in RETRYABLE or attempt == self.retries

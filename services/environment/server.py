@@ -18,6 +18,7 @@ import time
 from google.protobuf import json_format
 from opentelemetry import trace
 
+from services.common.config import REWARD_MODEL
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, require
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
@@ -62,9 +63,11 @@ def _prompts(env: Environment, request: environment_pb2.PromptsRequest) -> envir
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     """Named environments: built-ins by kind (always available under their kind) and registered names."""
 
-    def __init__(self, settings: dict[str, dict] | None = None) -> None:
+    def __init__(self, settings: dict[str, dict] | None = None, reward_model: RemoteEnvironment | None = None) -> None:
         self.settings = settings or {}
         """Keyword arguments of each built-in kind (the config's env section, e.g. {"math": {"num_workers": 8}})."""
+        self.reward_model = reward_model
+        """The run's reward-model server, which scores the kind reward_model; None when the config uses none."""
         self.named: dict[str, Environment | RemoteEnvironment] = {}
         self.sources: dict[str, str] = {}
         self.retired: dict[str, tuple[Environment | RemoteEnvironment, float]] = {}  # name -> (env, retired at)
@@ -75,11 +78,19 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         if name in self.retired and time.monotonic() - self.retired[name][1] <= RETIRED_GRACE_S:
             return self.retired[name][0]
         try:
-            self.named[name] = make_environment(name, self.settings)
+            self.named[name] = self._builtin(name)
         except UnknownEnvironment as err:
             raise NotFound(f"no environment named {name!r}: {err}") from None
         self.sources[name] = f"builtin:{name}"
         return self.named[name]
+
+    def _builtin(self, kind: str) -> Environment | RemoteEnvironment:
+        if kind != REWARD_MODEL:
+            return make_environment(kind, self.settings)
+        if self.reward_model is None:
+            raise UnknownEnvironment(f"kind {REWARD_MODEL!r} needs env.reward_model.model_name in the run's config "
+                                     f"(this service was started without it)")
+        return self.reward_model
 
     async def Step(self, request, context):
         require(request.env_name != "", "env_name is required")
@@ -110,7 +121,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
                                 "source does not replace it (Unregister it first)")
         if request.kind:
             try:
-                env = make_environment(request.kind, self.settings)
+                env = self._builtin(request.kind)
             except UnknownEnvironment as err:
                 raise InvalidArgument(str(err)) from None
             source = f"builtin:{request.kind}"
@@ -142,11 +153,12 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
 
     async def _forget_retired(self, name: str) -> None:
         old, _ = self.retired.pop(name, (None, 0.0))
-        if isinstance(old, RemoteEnvironment):
+        if isinstance(old, RemoteEnvironment) and old is not self.reward_model:  # that one serves every name of the kind
             await old.close()
 
     async def List(self, request, context):
-        return environment_pb2.ListResponse(builtin_kinds=sorted(BUILTIN), registered=self.sources)
+        kinds = [*BUILTIN, REWARD_MODEL] if self.reward_model is not None else list(BUILTIN)
+        return environment_pb2.ListResponse(builtin_kinds=sorted(kinds), registered=self.sources)
 
     async def Prompts(self, request, context):
         require(1 <= request.count <= 100_000, f"count must be in 1..100000, got {request.count}")

@@ -222,6 +222,23 @@ def test_an_early_stop_on_a_validation_metric_is_taken_with_nemo_rls_checks():
         load_config(None, [*accuracy, "grpo.val_period=2", "environments=[]", "data.train.data_path=x.jsonl"])
 
 
+def test_the_reward_model_config_scores_with_its_reward_model():
+    """grpo_rm_1B.yaml: data.default.env_name reward_model, and env.reward_model's settings for the server."""
+    cfg, notes = load(CONFIGS / "grpo_rm_1B.yaml", EDITS)
+    rm = cfg.env.reward_model
+    assert cfg.uses_reward_model and [d.env_name for d in cfg.data.train_sets()] == ["reward_model"]
+    assert (rm.model_name, rm.tokenizer.name, rm.precision, rm.batch_size, rm.max_model_len) == (
+        "Skywork/Skywork-Reward-V2-Qwen3-0.6B", "Skywork/Skywork-Reward-V2-Qwen3-0.6B", "bfloat16",
+        cfg.policy.train_micro_batch_size, 2048)
+    assert {"env.reward_model.dtensor_cfg", "env.reward_model.resources"} <= {key for key, _ in notes}
+    for edit, why in [("env.reward_model.checkpoint_path=/ckpt", "DCP checkpoints are not read"),
+                      ("env.reward_model.dtensor_cfg.tensor_parallel_size=2", "no tensor or context parallelism"),
+                      ("env.reward_model.reward_model_cfg.reward_model_type=other", "bradley_terry"),
+                      ("env.reward_model.model_name=null", "needs a reward model")]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(CONFIGS / "grpo_rm_1B.yaml", [*EDITS, edit])
+
+
 def test_the_sliding_puzzle_config_runs_as_its_script_does():
     """NeMo RL's grpo_sliding_puzzle.yaml (run by run_grpo_sliding_puzzle.py): the game's settings, generated
     puzzles instead of grpo_math_1B's dataset, 50 turns, </action> ending the first turn as the later ones."""
