@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.common.config import ConfigError, FlywheelConfig, load_config  # noqa: E402
+from services.common.config import ConfigError, FlywheelConfig, ServiceAddresses, load_config  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +69,9 @@ def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
         problems.append(f"weight_sync.backend={cfg.weight_sync.backend} needs GPUs; use gloo or filesystem with --cpu")
     if cpu and cfg.policy.generation.backend == "vllm":
         problems.append("policy.generation.backend=vllm needs GPUs here; use hf with --cpu")
+    if cfg.uses_reward_model and cfg.addresses.reward_model == ServiceAddresses().reward_model:
+        problems.append("the reward_model environment needs its server, which this job does not start: run `flywheel "
+                        "serve reward_model` on a GPU node and pass addresses.reward_model=<host:port>")
     tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size  # a rollout worker takes TP GPUs of its node
     if not cpu and rollout_gpus % tp:
         problems.append(f"--rollout-gpus {rollout_gpus} is not a multiple of "

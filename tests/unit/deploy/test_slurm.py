@@ -91,6 +91,11 @@ def test_make_sbatch_refuses_a_bad_config_or_gpu_settings_on_a_cpu_job():
     assert run.returncode == 2 and "grpo.no_such_key" in run.stderr
     run = _make_sbatch("deploy/compose/config.yaml", "--cpu")
     assert run.returncode == 2 and "weight_sync.backend=nccl needs GPUs" in run.stderr
+    rm = ["environments=[{name: rm, kind: reward_model}]", "env.reward_model.model_name=tiny"]
+    run = _make_sbatch("deploy/compose/config.yaml", *rm)
+    assert run.returncode == 2 and "which this job does not start" in run.stderr
+    run = _make_sbatch("deploy/compose/config.yaml", *rm, "addresses.reward_model=gpu07:50056")
+    assert run.returncode == 0, run.stderr  # a server the user runs
 
 
 def _dry_run(tmp_path: Path, *overrides: str) -> tuple[dict[str, list[str]], Path]:
