@@ -72,6 +72,9 @@ class RewardModel:
         scores: list[float] = []
         for start in range(0, len(conversations), self.cfg.batch_size):
             rows = [self.token_ids(c) for c in conversations[start:start + self.cfg.batch_size]]
+            for i, row in enumerate(rows):
+                require(len(row) > 0, f"episodes[{start + i}]: no tokens to score (empty messages, and the reward "
+                                      f"model's chat template adds none)")
             width = max(len(r) for r in rows)
             pad = self.tokenizer.pad_token_id
             # Right padding: the model reads each row's score at its last token that is not padding.

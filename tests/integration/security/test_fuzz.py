@@ -1,8 +1,8 @@
 """Property-based fuzzing of every public rpc and every NATS subject a service consumes (issue 14).
 
-One `flywheel up` stack (LocalStack: NATS, Redis and the five services as separate processes, with the
-run's token and credentials) trains the toy run while hypothesis sends each rpc of `hostile.RPCS` CASES
-requests with the run token, so that they reach the handlers: three quarters structurally valid
+One `flywheel up` stack (LocalStack: NATS, Redis, the five services and the reward-model server as separate
+processes, with the run's token and credentials) trains the toy run while hypothesis sends each rpc of
+`hostile.RPCS` CASES requests with the run token, so that they reach the handlers: three quarters structurally valid
 (fuzzing.messages: random values, extremes, nan and inf, huge strings, nested Structs, maps, unknown
 fields, with hints that get them past the first checks) and a quarter malformed (fuzzing.malformed).
 Each service then gets a request just under and one just over the message size limit. Every answer must
@@ -81,9 +81,9 @@ PROXIES = {"environment.Prompts", "controller.SubmitEnvironment", "rollout.Gener
 """Rpcs that call another server (a registered remote environment; the environment service, which Generate
 calls when given an env_name) and answer UNAVAILABLE, by design, when it fails: a clean status from them while
 their service stays up."""
-SERVICES = ("controller", "environment", "replay", "rollout", "trainer")
+SERVICES = ("controller", "environment", "replay", "rollout", "trainer", "reward_model")
 PROCESS = {"controller": "controller", "environment": "environment", "replay": "replay", "rollout": "rollout-0",
-           "trainer": "trainer"}
+           "trainer": "trainer", "reward_model": "reward_model"}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 """A jsonl_path that looks like a hub id ("org/name") must not send the fuzzer to the network."""
 BACKGROUND_NICE = 19
@@ -186,8 +186,13 @@ def _dataset_files(root: Path) -> dict[str, str]:
 def fz(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fuzz")
     # A checkpoint every step keeps Commit's wait for a trailing report short (it waits for the next one).
+    # The reward-model environment (weight 0: registered, never leased) makes the stack start its server too.
+    rm_rows = run_dir / "rm.jsonl"
+    rm_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "copy 3"}]}) + "\n")
     cfg = load_config(None, ["grpo.max_num_steps=100000", "checkpointing.save_period=1",
-                             "checkpointing.keep_top_k=1"])
+                             "checkpointing.keep_top_k=1", "env.reward_model.model_name=tiny",
+                             f"environments=[{{name: toy, kind: toy_copy}}, {{name: rm, kind: reward_model, weight: 0, "
+                             f"dataset: {rm_rows}}}]"])
     with LocalStack(cfg, run_dir) as stack:
         stack.children.env |= OFFLINE
         stack.start_services()
@@ -300,6 +305,9 @@ NORMAL = {
     "rollout": (_rpc("rollout.Generate"), rollout_pb2.GenerateRequest(
         messages=[types_pb2.ChatMessage(role="user", content="copy 3")], n=2)),
     "trainer": (_rpc("trainer.Status"), trainer_pb2.TrainerServiceStatusRequest()),
+    "reward_model": (_rpc("reward_model.Step"), environment_pb2.StepRequest(env_name="rm", episodes=[
+        environment_pb2.Episode(messages=[types_pb2.ChatMessage(role="user", content="copy 3"),
+                                          types_pb2.ChatMessage(role="assistant", content="3")])])),
 }
 """A request each service must still answer OK after the fuzzing."""
 

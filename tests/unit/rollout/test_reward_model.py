@@ -3,9 +3,11 @@ scores each conversation as it scores alone, and a long one keeps its end."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from services.common.config_data import RewardModelEnvConfig
+from services.common.config_data import RewardModelEnvConfig, TokenizerConfig
+from services.common.errors import InvalidArgument
 from services.rollout.reward_model import RewardModel
 
 
@@ -45,3 +47,11 @@ def test_an_observation_is_scored_as_the_users_turn():
     observed = [*CHATS[0], {"role": "environment", "content": "wrong"}, {"role": "assistant", "content": "3"}]
     as_user = [*CHATS[0], {"role": "user", "content": "wrong"}, {"role": "assistant", "content": "3"}]
     assert rm.token_ids(observed) == rm.token_ids(as_user)
+
+
+def test_a_conversation_with_no_tokens_is_the_callers_mistake():
+    """Without a chat template (null: the messages' text joined), empty messages leave nothing to score."""
+    rm = RewardModel(RewardModelEnvConfig(model_name="tiny", precision="float32",
+                                          tokenizer=TokenizerConfig(chat_template=None)))
+    with pytest.raises(InvalidArgument, match=r"episodes\[1\]: no tokens to score"):
+        rm.score([CHATS[0], _chat("", "")])
