@@ -46,6 +46,7 @@ def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
     prompts = eval_prompts(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     with LocalStack(cfg, run_dir) as stack:
+        stack.start_reward_model()
         for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
             stack.children.start(name, service, stack.config_path)
         metrics, results = asyncio.run(_score(stack.cfg, prompts))

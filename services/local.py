@@ -207,9 +207,14 @@ class LocalStack:
         self.children.env = secret_env(self.cfg.security)
         self.config_path = write_resolved(self.cfg, run_dir)
 
-    def start_services(self) -> None:
-        if self.cfg.uses_reward_model:  # first: it loads a model, and the environment service waits for it
+    def start_reward_model(self) -> None:
+        """The reward-model server, when an environment of kind reward_model is used; first, since it loads a model
+        (the environment service waits for it)."""
+        if self.cfg.uses_reward_model:
             self.children.start("reward_model", "reward_model", self.config_path)
+
+    def start_services(self) -> None:
+        self.start_reward_model()
         for service in START_ORDER:
             if service != "rollout":
                 self.children.start(service, service, self.config_path)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import load_config
+from services.evaluate import run_eval
 from services.local import LocalStack
 
 pytestmark = pytest.mark.slow
@@ -56,3 +57,14 @@ def test_nemo_rl_reward_model_config_trains_on_the_reward_models_scores(tmp_path
     assert "failed" not in env_log, env_log[-2000:]
     assert len(set(rewards)) == STEPS and all(r != 0.0 for r in rewards), rewards
     assert statistics.pstdev(rewards) > 0
+
+
+def test_flywheel_eval_scores_with_the_reward_model_too(tmp_path):
+    """`flywheel eval` starts the reward-model server as `flywheel up` does: accuracy is the mean score."""
+    cfg = load_config(_write(tmp_path), [f"data.validation={{data_path: {tmp_path / 'train.jsonl'}}}",
+                                         "grpo.max_val_samples=4", "grpo.val_num_generations_per_prompt=2"])
+    metrics = run_eval(cfg, tmp_path / "eval")
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
+    rewards = [r for s in samples for r in s["rewards"]]
+    assert len(rewards) == 8 and len(set(rewards)) > 1 and 0.0 not in rewards  # scores, not failures
+    assert metrics["validation/accuracy"] == pytest.approx(sum(rewards) / len(rewards))
