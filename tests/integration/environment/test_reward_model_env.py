@@ -9,6 +9,7 @@ import sys
 
 import grpc
 import pytest
+from environment_service import serve_environment
 
 from services.common.config import SecurityConfig, load_config, write_resolved
 from services.common.infra import child_env, free_port
@@ -86,3 +87,16 @@ async def test_the_reward_model_server_refuses_bad_episodes_and_callers_without_
             await environment_pb2_grpc.EnvironmentServiceStub(ch).Step(
                 environment_pb2.StepRequest(env_name="reward_model", episodes=[_episode("a", "b")]), timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_without_a_reward_model_the_kind_is_refused_with_the_setting_it_needs():
+    server, port = await serve_environment()  # started from a config that names no reward model
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            env = environment_pb2_grpc.EnvironmentServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError, match="needs env.reward_model.model_name") as err:
+                await env.Register(environment_pb2.RegisterRequest(name="rm", kind="reward_model"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "reward_model" not in (await env.List(environment_pb2.ListRequest(), timeout=10)).builtin_kinds
+    finally:
+        await server.stop(0)
