@@ -12,7 +12,7 @@ import pytest
 
 from services.common.config import load_config
 from services.evaluate import run_eval
-from services.local import LocalStack
+from services.local import LocalStack, read_restarts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +57,23 @@ def test_nemo_rl_reward_model_config_trains_on_the_reward_models_scores(tmp_path
     assert "failed" not in env_log, env_log[-2000:]
     assert len(set(rewards)) == STEPS and all(r != 0.0 for r in rewards), rewards
     assert statistics.pstdev(rewards) > 0
+
+
+def test_a_killed_reward_model_server_is_restarted_and_no_episode_is_scored_as_failed(tmp_path):
+    """SIGKILL the reward-model server after the first step: the supervisor starts it again, and the environment
+    service's calls wait for it (within env.reward_model.timeout_s) rather than scoring episodes 0."""
+    cfg = load_config(_write(tmp_path), ["grpo.max_num_steps=8", "grpo.max_num_epochs=2"])
+    with LocalStack(cfg, tmp_path / "run") as stack:
+        stack.start_services()
+        stack.wait_for(lambda rows: len(rows) >= 1, "1 step", timeout_s=600)
+        first = stack.children.procs["reward_model"]
+        first.kill()
+        rows = stack.wait_for(lambda rows: len(rows) >= 8, "8 steps", timeout_s=900)
+        restarted = stack.children.procs["reward_model"]
+        env_log = (tmp_path / "run" / "logs" / "environment.log").read_text()
+    assert restarted.pid != first.pid and [r["service"] for r in read_restarts(tmp_path / "run")] == ["reward_model"]
+    assert "failed" not in env_log, env_log[-2000:]
+    assert all(r["train/reward_mean/reward_model"] != 0.0 for r in rows)
 
 
 def test_flywheel_eval_scores_with_the_reward_model_too(tmp_path):
