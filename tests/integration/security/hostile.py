@@ -57,7 +57,6 @@ RPCS = [
     Rpc("replay", "ReplayService/Commit", replay_pb2.CommitRequest),
     Rpc("rollout", "RolloutService/Generate", rollout_pb2.GenerateRequest),
     Rpc("trainer", "TrainerService/Status", trainer_pb2.TrainerServiceStatusRequest),
-    Rpc("reward_model", "EnvironmentService/Step", environment_pb2.StepRequest),
 ]
 
 

@@ -2,7 +2,7 @@
 
 One `flywheel up` stack (LocalStack: NATS, Redis, the five services and the reward-model server as separate
 processes, with the run's token and credentials) trains the toy run while hypothesis sends each rpc of
-`hostile.RPCS` CASES requests with the run token, so that they reach the handlers: three quarters structurally valid
+`RPCS` CASES requests with the run token, so that they reach the handlers: three quarters structurally valid
 (fuzzing.messages: random values, extremes, nan and inf, huge strings, nested Structs, maps, unknown
 fields, with hints that get them past the first checks) and a quarter malformed (fuzzing.malformed).
 Each service then gets a request just under and one just over the message size limit. Every answer must
@@ -41,7 +41,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import NASTY, Caller, Case, Prober, malformed, messages, rarely, varint
-from hostile import RPCS, Rpc
+from hostile import RPCS as SERVICE_RPCS
+from hostile import Rpc
 from services.common.bus import Bus
 from services.common.config import load_config
 from services.common.errors import InvalidArgument
@@ -77,6 +78,9 @@ CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.N
          grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 """What a handler may answer a client's request. RESOURCE_EXHAUSTED is the transport's (a message past the
 limit; a status message too long for its trailer), never a handler's, so it fails here too."""
+RPCS = [*SERVICE_RPCS, Rpc("reward_model", "EnvironmentService/Step", environment_pb2.StepRequest)]
+"""The services' rpcs and the reward-model server's Step (this stack starts that server; hostile.RPCS is also
+the traffic of test_hostile_traffic.py, whose stack does not)."""
 PROXIES = {"environment.Prompts", "controller.SubmitEnvironment", "rollout.Generate"}
 """Rpcs that call another server (a registered remote environment; the environment service, which Generate
 calls when given an env_name) and answer UNAVAILABLE, by design, when it fails: a clean status from them while
