@@ -31,7 +31,8 @@ user's turn."""
 
 
 def load_reward_model(cfg: RewardModelEnvConfig, seed: int = 0, device: str | torch.device = "cpu"):
-    """(model, tokenizer), eval mode, in cfg.precision. "tiny": a random one-label Qwen2 and the tiny tokenizer."""
+    """(model, tokenizer), eval mode, in cfg.precision. "tiny": the tiny policy's shape (Llama) with one label,
+    random, and the tiny tokenizer."""
     dtype = getattr(torch, cfg.precision)
     if cfg.model_name == "tiny":
         tokenizer = build_tiny_tokenizer()
