@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import signal
 import subprocess
@@ -302,17 +301,10 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
 
 
 def _early_exit(cfg: FlywheelConfig) -> str:
-    """Why the trainer ended without reporting a final step: a resumed run that was already complete or had ended
-    early (grpo.stop_at_validation_metric), or checkpointing.checkpoint_must_save_by."""
+    """Why the trainer ended without reporting a final step: a resumed run that was already complete, or
+    checkpointing.checkpoint_must_save_by."""
     if len(read_metrics(cfg.run.run_dir)) >= cfg.grpo.max_num_steps:
         return f"the run in {cfg.run.run_dir} was already complete: the trainer had nothing left to train"
-    g = cfg.grpo
-    if g.stop_at_validation_metric is not None:
-        key = g.validation_key(g.stop_at_validation_metric)
-        if any(row.get(key, -math.inf) >= g.stop_at_validation_threshold
-               for row in read_rows(Path(cfg.run.run_dir) / "validation.jsonl")):
-            return (f"the run in {cfg.run.run_dir} had already ended early: a validation reached "
-                    f"{g.stop_at_validation_metric} >= {g.stop_at_validation_threshold:g}")
     return (f"the trainer saved and stopped before its last step (checkpointing.checkpoint_must_save_by); "
             f"`flywheel up --resume --run-dir {cfg.run.run_dir}` goes on")
 

@@ -153,9 +153,6 @@ class Trainer:
         started, limit_s = time.monotonic(), self.cfg.checkpointing.must_save_by_s
         try:
             start = await self._resume()
-            if start > 0 and await self._early_stop() is not None:  # resumed after its early stop: nothing left
-                log.warning("grpo.stop_at_validation_metric: this run already reached its threshold; nothing to train")
-                return
             while not self.members() and not stop.is_set():
                 await asyncio.sleep(0.1)  # nothing to push the first weights to yet
             await self._sync(start)
