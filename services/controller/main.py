@@ -257,7 +257,10 @@ class Controller:
                 continue
             old = self.leased.pop(gid, None)
             self.releases += 1
-            if old is not None:  # lease the same prompt for the step that is waiting for data
+            if old is not None and old.env_name not in self.registry.entries:
+                # Its environment left the mix (removed; rollout could not score it): a prompt of the mix as it is now.
+                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}")
+            elif old is not None:  # lease the same prompt for the step that is waiting for data
                 await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=old)
             else:
                 # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):

@@ -7,13 +7,14 @@ Failure semantics, per `step` call (one batch of episodes of one environment):
 - retries: UNAVAILABLE and DEADLINE_EXCEEDED are retried `retries` times with exponential
   back-off (`backoff_s`, doubled each time); other status codes are not;
 - circuit breaker: after `breaker_failures` failed calls in a row the circuit opens for
-  `breaker_open_s`, and episodes fail at once instead of waiting on a dead server; the
+  `breaker_open_s`, and calls fail at once instead of waiting on a dead server; the
   first call after that is a probe that closes it again on success;
-- a crash, a hang, an error status or a garbage answer (wrong number of results,
-  non-finite rewards) scores the affected episodes as failed (reward 0, `error` set),
-  counts them in `flywheel_remote_env_failed_episodes_total{env,reason}`, and records the
-  failure on the current OpenTelemetry span. It never raises into the service, so it never
-  stops the run.
+- a crash, a hang, an error status or a garbage answer (a wrong number of results, a non-finite
+  reward) fails the whole call with `Unavailable`: the environment service answers UNAVAILABLE, and
+  rollout hands the group back to run it again later. No episode is scored from a call that gave no
+  usable answer, so an outage never trains as zero rewards. The failure is counted in
+  `flywheel_remote_env_failures_total{env,reason}` and recorded on the current OpenTelemetry span.
+  An episode the remote itself answers with `error` set is the remote's verdict and is kept.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconn
 
 FAILED_CALLS = Counter("flywheel_remote_env_failures_total", "Remote environment calls that failed",
                        ["env", "reason"])
-FAILED_EPISODES = Counter("flywheel_remote_env_failed_episodes_total",
-                          "Episodes scored as failed because their remote environment failed", ["env", "reason"])
 
 
 class RemoteFailure(Exception):
@@ -103,7 +102,7 @@ class RemoteEnvironment:
             state = self._channel.get_state()
 
     async def step(self, request: environment_pb2.StepRequest, budget_s: float | None = None) -> list[StepResult]:
-        """Results aligned with request.episodes; every failure becomes failed results, never an exception."""
+        """Results aligned with request.episodes; Unavailable when the remote gave no usable answer for them all."""
         n = len(request.episodes)
         with self._tracer.start_as_current_span("environment.remote_step", attributes={
                 "env": self.name, "address": self.address, "episodes": n}) as span:
@@ -111,18 +110,16 @@ class RemoteEnvironment:
                 response = await self._call("Step", request, budget_s)
                 if len(response.results) != n:
                     raise RemoteFailure("bad_response", f"returned {len(response.results)} results for {n} episodes")
+                results = [_decode(r) for r in response.results]
+                if None in results:
+                    raise RemoteFailure("bad_response", f"{results.count(None)} of {n} results had a non-finite "
+                                                        f"reward")
             except RemoteFailure as err:
-                return self._fail_all(span, err, n)
-            except Exception as err:  # on purpose: a remote's failure is its episodes' failure, never the run's
-                return self._fail_all(span, RemoteFailure("error", f"{type(err).__name__}: {err}"), n)
+                raise self._fail(span, err) from None
+            except Exception as err:  # on purpose: whatever the remote did, the caller is told UNAVAILABLE
+                raise self._fail(span, RemoteFailure("error", f"{type(err).__name__}: {err}")) from None
             self._failures = 0
-            results = [_decode(r) for r in response.results]
-            garbage = sum(r is None for r in results)
-            if garbage:
-                err = RemoteFailure("bad_response", f"{garbage} of {n} results had a non-finite reward")
-                self._count(span, err, garbage)
-            return [r if r is not None else StepResult.failed(f"remote {self.name}: bad_response: non-finite reward")
-                    for r in results]
+            return results
 
     async def prompts(self, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
         """The remote's generated prompts. InvalidArgument when it has none to give, Unavailable when it fails."""
@@ -164,19 +161,15 @@ class RemoteEnvironment:
         if self._failures >= self.breaker_failures:
             self._open_until = time.monotonic() + self.breaker_open_s
 
-    def _fail_all(self, span, err: RemoteFailure, n: int) -> list[StepResult]:
+    def _fail(self, span, err: RemoteFailure) -> Unavailable:
+        """Count and record a failed Step; the error its caller gets."""
         self._note_failure(err)
+        FAILED_CALLS.labels(self.name, err.reason).inc()
         if err.reason != "circuit_open":
-            FAILED_CALLS.labels(self.name, err.reason).inc()
             log.warning("remote environment %s at %s failed: %s", self.name, self.address, err)
-        self._count(span, err, n)
-        return [StepResult.failed(f"remote {self.name}: {err}") for _ in range(n)]
-
-    def _count(self, span, err: RemoteFailure, episodes: int) -> None:
-        FAILED_EPISODES.labels(self.name, err.reason).inc(episodes)
         span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
-        span.add_event("remote_env.failed", {"reason": err.reason, "detail": str(err), "episodes": episodes})
-        span.set_attribute("failed_episodes", episodes)
+        span.add_event("remote_env.failed", {"reason": err.reason, "detail": str(err)})
+        return Unavailable(f"remote environment {self.name!r} at {self.address}: {err}")
 
     async def close(self) -> None:
         await self._channel.close()

@@ -2,8 +2,8 @@
 
 Built-in environments run in a worker thread (a verifier or the code sandbox may take a
 while; the event loop keeps answering). Registered remote environments are called
-through `RemoteEnvironment`, whose failures score episodes as failed, never the run;
-its retries stay inside the deadline of the Step call that asked.
+through `RemoteEnvironment`: a call it gets no usable answer for is answered UNAVAILABLE (rollout then
+hands the group back; nothing is scored), and its retries stay inside the deadline of the Step call that asked.
 
 Unregister retires a name rather than forgetting it at once: groups leased before the
 controller removed the environment still find it for `RETIRED_GRACE_S`, so they finish.

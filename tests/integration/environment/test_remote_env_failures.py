@@ -1,4 +1,5 @@
-"""A remote environment that crashes, hangs or answers garbage fails its episodes, never the run."""
+"""A remote environment that crashes, hangs or answers garbage fails the call with UNAVAILABLE (rollout hands the
+group back): no episode is scored from a call that gave no usable answer, and the service goes on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.environment.remote import RemoteEnvironment
 
@@ -27,8 +28,8 @@ def spans():
     yield provider.get_tracer("test"), exporter
 
 
-def failed_episodes(env: str, reason: str) -> float:
-    return REGISTRY.get_sample_value("flywheel_remote_env_failed_episodes_total", {"env": env, "reason": reason}) or 0
+def failed_calls(env: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("flywheel_remote_env_failures_total", {"env": env, "reason": reason}) or 0
 
 
 def remote(name: str, address: str, tracer, **kw) -> RemoteEnvironment:
@@ -44,7 +45,7 @@ async def test_healthy_remote_scores_episodes(example_remote, spans):
     await env.close()
 
 
-async def test_killed_remote_fails_its_episodes_with_a_counter_and_a_span_event(spans):
+async def test_killed_remote_fails_the_call_with_a_counter_and_a_span_event(spans):
     tracer, exporter = spans
     proc, address = start_example_server()
     env = remote("crashing", address, tracer)
@@ -52,14 +53,13 @@ async def test_killed_remote_fails_its_episodes_with_a_counter_and_a_span_event(
         assert (await env.step(step_request("crashing", 2)))[0].reward == 1.0
         proc.kill()
         proc.wait()
-        results = await env.step(step_request("crashing", 2))
+        with pytest.raises(Unavailable, match="unavailable: UNAVAILABLE"):
+            await env.step(step_request("crashing", 2))
     finally:
         await env.close()
         if proc.poll() is None:
             proc.kill()
-    assert len(results) == 2
-    assert all(r.reward == 0 and r.terminated and "UNAVAILABLE" in r.error for r in results)
-    assert failed_episodes("crashing", "unavailable") == 2
+    assert failed_calls("crashing", "unavailable") == 1
     failed = exporter.get_finished_spans()[-1]
     assert failed.name == "environment.remote_step" and not failed.status.is_ok
     assert failed.events[0].name == "remote_env.failed" and failed.events[0].attributes["reason"] == "unavailable"
@@ -69,23 +69,23 @@ async def test_hanging_remote_fails_after_its_deadline_and_retries(faulty_remote
     faulty_remote.servicer.mode = "hang"
     env = remote("hanging", faulty_remote.address, spans[0], timeout_s=0.3, retries=1)
     t0 = time.monotonic()
-    results = await env.step(step_request("hanging", 4))
+    with pytest.raises(Unavailable, match="DEADLINE_EXCEEDED"):
+        await env.step(step_request("hanging", 4))
     elapsed = time.monotonic() - t0
     await env.close()
     assert faulty_remote.servicer.calls == 2, "one retry after the first deadline"
     assert 0.6 <= elapsed < 2.0
-    assert all(r.reward == 0 and "DEADLINE_EXCEEDED" in r.error for r in results)
-    assert failed_episodes("hanging", "deadline") == 4
+    assert failed_calls("hanging", "deadline") == 1
 
 
 async def test_retries_stay_inside_the_callers_budget(faulty_remote, spans):
     faulty_remote.servicer.mode = "hang"
     env = remote("budget", faulty_remote.address, spans[0], timeout_s=5.0, retries=3)
     t0 = time.monotonic()
-    results = await env.step(step_request("budget", 1), budget_s=1.0)
+    with pytest.raises(Unavailable):
+        await env.step(step_request("budget", 1), budget_s=1.0)
     await env.close()
     assert time.monotonic() - t0 < 1.0
-    assert results[0].error
 
 
 @pytest.mark.parametrize("mode, reason", [("wrong_count", "bad_response"), ("error", "rpc_error")])
@@ -93,32 +93,34 @@ async def test_garbage_or_an_error_status_fails_the_whole_batch(faulty_remote, s
     faulty_remote.servicer.mode = mode
     name = f"garbage-{mode}"
     env = remote(name, faulty_remote.address, spans[0])
-    results = await env.step(step_request(name, 3))
+    with pytest.raises(Unavailable, match=reason):
+        await env.step(step_request(name, 3))
     await env.close()
-    assert len(results) == 3 and all(r.reward == 0 and r.error for r in results)
     assert faulty_remote.servicer.calls == 1, "garbage and error statuses are not retried"
-    assert failed_episodes(name, reason) == 3
+    assert failed_calls(name, reason) == 1
 
 
-async def test_non_finite_rewards_fail_only_those_episodes(faulty_remote, spans):
+async def test_a_non_finite_reward_fails_the_whole_call(faulty_remote, spans):
     faulty_remote.servicer.mode = "nan"
     env = remote("nan", faulty_remote.address, spans[0])
-    results = await env.step(step_request("nan", 2))
+    with pytest.raises(Unavailable, match="2 of 2 results had a non-finite reward"):
+        await env.step(step_request("nan", 2))
     await env.close()
-    assert all(r.reward == 0 and "non-finite" in r.error for r in results)
-    assert failed_episodes("nan", "bad_response") == 2
+    assert failed_calls("nan", "bad_response") == 1
 
 
 async def test_breaker_opens_after_failures_in_a_row_then_a_probe_closes_it(faulty_remote, spans):
     faulty_remote.servicer.mode = "error"
     env = remote("breaker", faulty_remote.address, spans[0], breaker_failures=2, breaker_open_s=0.5)
     for _ in range(2):
-        await env.step(step_request("breaker", 1))
+        with pytest.raises(Unavailable):
+            await env.step(step_request("breaker", 1))
     assert env.circuit_open and faulty_remote.servicer.calls == 2
     faulty_remote.servicer.mode = "ok"
-    refused = await env.step(step_request("breaker", 1))
-    assert "circuit_open" in refused[0].error and faulty_remote.servicer.calls == 2, "open: the remote is not called"
-    assert failed_episodes("breaker", "circuit_open") == 1
+    with pytest.raises(Unavailable, match="circuit_open"):
+        await env.step(step_request("breaker", 1))
+    assert faulty_remote.servicer.calls == 2, "open: the remote is not called"
+    assert failed_calls("breaker", "circuit_open") == 1
     await asyncio.sleep(0.6)
     probe = await env.step(step_request("breaker", 1))
     await env.close()
@@ -139,12 +141,14 @@ async def environment_service():
     await server.stop(0)
 
 
-async def test_service_answers_within_the_callers_deadline_when_a_remote_hangs(environment_service, faulty_remote):
+async def test_service_answers_unavailable_within_the_callers_deadline_when_a_remote_hangs(environment_service,
+                                                                                           faulty_remote):
     await environment_service.Register(environment_pb2.RegisterRequest(
         name="slow", address=faulty_remote.address, timeout_seconds=30))
     faulty_remote.servicer.mode = "hang"
-    response = await environment_service.Step(step_request("slow", 2), timeout=1.5)
-    assert [r.reward for r in response.results] == [0, 0] and all(r.error for r in response.results)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await environment_service.Step(step_request("slow", 2), timeout=1.5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "remote environment 'slow'" in info.value.details()
 
 
 async def test_unregistered_remote_still_serves_groups_leased_before_removal(environment_service, faulty_remote):

@@ -160,6 +160,31 @@ def test_a_stale_report_announced_twice_leases_one_replacement(tmp_path, nats_se
     assert offset == 2 * PER_STEP, "the second report took no prompt from the dataset"
 
 
+def test_a_stale_group_of_an_environment_that_left_the_mix_is_replaced_by_a_prompt_of_the_mix(tmp_path, nats_server):
+    """Rollout announces a group stale when its environment is gone (removed; NOT_FOUND): leasing the same prompt
+    again would fail again, so the replacement is drawn from the environments still in the mix."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        await _serve_versions(controller, range(0, 2))
+        gone = next(g for g in controller.leased.values() if g.target_step == 1)
+        gone.env_name = "removed"  # as if leased from an environment that was removed since
+        controller.trained_step = 0
+        offset = controller.registry.entries["math"].cursor.offset
+        await controller._on_stale(_report(gone.group_id))
+        groups = await _leased(bus)
+        await bus.close()
+        return groups, gone, controller.registry.entries["math"].cursor.offset - offset
+
+    groups, gone, drawn = asyncio.run(go())
+    replacement = groups[-1]
+    assert drawn == 1, "one new prompt drawn from the mix"
+    assert (replacement.env_name, replacement.target_step) == ("math", 1)
+    assert replacement.prompt_id != gone.prompt_id and replacement.group_id != gone.group_id
+
+
 def test_a_filtered_report_announced_twice_refills_once_and_counts_once(tmp_path, nats_server):
     """A refill counted twice would also bring the dynamic-sampling budget's fatal stop early."""
     cfg = _cfg(tmp_path, nats_server.url)
