@@ -15,6 +15,8 @@
 #   4. srun --het-group=0: nats-server, redis-server, environment, replay, controller (waiting on health);
 #      srun --het-group=1: one `flywheel serve trainer` task per rank (rank = SLURM_PROCID, rendezvous at
 #      MASTER_ADDR:MASTER_PORT = the first trainer node);  srun --het-group=2: rollout_task.sh per worker;
+#      with FLYWHEEL_REWARD_MODEL_GROUP (make_sbatch.py sets 3 when the config scores with env.reward_model),
+#      `flywheel serve reward_model` on that group's node, first (addresses.reward_model points at it);
 #   5. wait: success when the trainer exits 0 (last step). A component that exits otherwise (a crash,
 #      kill -9, a lost node's step) is started again with the same command, as `flywheel up` does, after
 #      a back-off that doubles (1 s .. 16 s); more than run.max_restarts restarts of one component within
@@ -24,7 +26,7 @@
 #
 # FLYWHEEL_DRY_RUN=1 prints the srun commands (also to $RUN_DIR/launch_plan.txt) instead of running
 # them, skips the health waits, and takes hosts from FLYWHEEL_INFRA_HOST / FLYWHEEL_TRAINER_HOST /
-# FLYWHEEL_INFRA_IP when there is no allocation: the unit tests use it.
+# FLYWHEEL_INFRA_IP / FLYWHEEL_REWARD_MODEL_HOST when there is no allocation: the unit tests use it.
 set -euo pipefail
 
 FLYWHEEL_HOME=${FLYWHEEL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -70,6 +72,14 @@ INFRA_HOST=${FLYWHEEL_INFRA_HOST:-$(addr_of "$(hosts_of 0 | head -n 1)")}
 TRAINER_HOST=${FLYWHEEL_TRAINER_HOST:-$(addr_of "$(hosts_of 1 | head -n 1)")}
 TRAINER_NODES=${FLYWHEEL_TRAINER_NODES:-$(hosts_of 1 | wc -l)}
 INFRA_IP=${FLYWHEEL_INFRA_IP:-$(ipv4_of "$INFRA_HOST")}
+# The reward-model server's het group (make_sbatch.py adds group 3 when the config scores with
+# env.reward_model and names no server of its own); empty: the job starts none.
+RM_GROUP=${FLYWHEEL_REWARD_MODEL_GROUP:-}
+RM_OVERRIDES=()
+if [[ -n "$RM_GROUP" ]]; then
+  RM_HOST=${FLYWHEEL_REWARD_MODEL_HOST:-$(addr_of "$(hosts_of "$RM_GROUP" | head -n 1)")}
+  RM_OVERRIDES=("addresses.reward_model=$RM_HOST:${FLYWHEEL_REWARD_MODEL_PORT:-50056}")
+fi
 [[ -n "$INFRA_IP" ]] || { echo "launch.sh: cannot resolve $INFRA_HOST" >&2; exit 1; }
 
 # --- run dir, secrets, infra configs (nothing here is readable by other users) ---
@@ -125,6 +135,7 @@ read -r MAX_RESTARTS RESTART_WINDOW_S ROLLOUT_TP < <("$PY" - "$BASE_CONFIG" "$CO
   "addresses.trainer=$TRAINER_HOST:$TRAINER_PORT" \
   "controller.auth_token='$CONTROLLER_TOKEN'" \
   "telemetry.otlp_endpoint='${FLYWHEEL_OTLP_ENDPOINT:-}'" \
+  ${RM_OVERRIDES[@]+"${RM_OVERRIDES[@]}"} \
   "$@" <<'EOF'
 import sys
 from pathlib import Path
@@ -215,6 +226,13 @@ start nats "${INFRA[@]}" "$VENV/bin/nats-server" -c "$RUN_DIR/nats.conf"
 start redis "${INFRA[@]}" "${REDIS_SERVER:-redis-server}" "$RUN_DIR/redis.conf"
 wait_for nats "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true', timeout=2)"
 wait_for redis env REDISCLI_AUTH="$REDIS_PASSWORD" "${REDIS_CLI:-redis-cli}" -h 127.0.0.1 -p "$REDIS_PORT" ping
+
+# --- group 3: the reward-model server, before the environment service, which waits for it to load its model ---
+if [[ -n "$RM_GROUP" ]]; then
+  RM=(srun --het-group="$RM_GROUP" --nodes=1 --ntasks=1 --unbuffered)
+  (( GPUS )) && RM+=(--gpus-per-task=1)
+  start reward_model "${RM[@]}" "$FLYWHEEL_BIN" serve reward_model "telemetry.metrics_port=$(mport 5)" --config "$CONFIG"
+fi
 
 start environment "${INFRA[@]}" "$FLYWHEEL_BIN" serve environment "telemetry.metrics_port=$(mport 2)" --config "$CONFIG"
 start replay "${INFRA[@]}" "$FLYWHEEL_BIN" serve replay "telemetry.metrics_port=$(mport 3)" --config "$CONFIG"

@@ -11,6 +11,8 @@ Three components, one per het group (launch.sh starts each with `srun --het-grou
               (SLURM_PROCID/SLURM_NTASKS), MASTER_ADDR = the first trainer node
   2  rollout  M nodes: one `flywheel serve rollout` task per policy.generation.vllm_cfg.tensor_parallel_size
               GPUs (--gpus-per-task=TP, 1 by default)
+  3  reward model (only when the config scores with env.reward_model and names no server of its own in
+              addresses.reward_model): 1 node, 1 GPU, `flywheel serve reward_model`
 With --cpu there are no GPU requests: the trainer runs G gloo ranks per node and rollout R workers per
 node, which is how the tests run the tiny model through a real Slurm.
 
@@ -69,9 +71,6 @@ def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
         problems.append(f"weight_sync.backend={cfg.weight_sync.backend} needs GPUs; use gloo or filesystem with --cpu")
     if cpu and cfg.policy.generation.backend == "vllm":
         problems.append("policy.generation.backend=vllm needs GPUs here; use hf with --cpu")
-    if cfg.uses_reward_model and cfg.addresses.reward_model == ServiceAddresses().reward_model:
-        problems.append("the reward_model environment needs its server, which this job does not start: run `flywheel "
-                        "serve reward_model` on a GPU node and pass addresses.reward_model=<host:port>")
     tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size  # a rollout worker takes TP GPUs of its node
     if not cpu and rollout_gpus % tp:
         problems.append(f"--rollout-gpus {rollout_gpus} is not a multiple of "
@@ -79,7 +78,12 @@ def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
     return problems
 
 
-def directives(args: argparse.Namespace, job_name: str) -> list[str]:
+def starts_reward_model(cfg: FlywheelConfig) -> bool:
+    """The job runs the reward-model server (het group 3): the config scores with one and runs none of its own."""
+    return cfg.uses_reward_model and cfg.addresses.reward_model == ServiceAddresses().reward_model
+
+
+def directives(args: argparse.Namespace, job_name: str, reward_model: bool) -> list[str]:
     head = [f"--job-name={job_name}", f"--time={args.time}", f"--output={args.output_log}",
             "--signal=B:TERM@120"]
     head += [f"--partition={args.partition}"] * bool(args.partition) + [f"--account={args.account}"] * bool(args.account)
@@ -94,10 +98,15 @@ def directives(args: argparse.Namespace, job_name: str) -> list[str]:
                     f"--mem={args.trainer_mem}"]
         rollout += [f"--gpus-per-node={args.rollout_gpus}", f"--cpus-per-task={args.rollout_cpus_per_gpu}",
                     f"--mem={args.rollout_mem}"]
+    groups = [("het group 0: infra (NATS, Redis, controller, environment, replay)", infra),
+              (f"het group 1: trainer ({args.trainer_nodes} node(s) x {args.trainer_gpus} rank(s))", trainer),
+              (f"het group 2: rollout ({args.rollout_nodes} node(s) x {args.rollout_gpus} worker(s))", rollout)]
+    if reward_model:
+        gpu = ["--cpus-per-task=1"] if args.cpu else ["--gpus-per-node=1", f"--cpus-per-task={args.rollout_cpus_per_gpu}"]
+        groups.append(("het group 3: reward model (flywheel serve reward_model)",
+                       ["--nodes=1", "--ntasks=1", *gpu, f"--mem={args.rollout_mem}"]))
     lines = [f"#SBATCH {d}" for d in head]
-    for title, group in (("het group 0: infra (NATS, Redis, controller, environment, replay)", infra),
-                         (f"het group 1: trainer ({args.trainer_nodes} node(s) x {args.trainer_gpus} rank(s))", trainer),
-                         (f"het group 2: rollout ({args.rollout_nodes} node(s) x {args.rollout_gpus} worker(s))", rollout)):
+    for title, group in groups:
         if not title.startswith("het group 0"):
             lines.append("#SBATCH hetjob")
         lines.append(f"# ---- {title} ----")
@@ -139,6 +148,8 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
         "FLYWHEEL_ROLLOUT_PER_NODE": str(args.rollout_gpus),
         "FLYWHEEL_GPUS": "0" if args.cpu else "1",
     }
+    if starts_reward_model(cfg):
+        env["FLYWHEEL_REWARD_MODEL_GROUP"] = "3"
     if args.venv:
         env["FLYWHEEL_VENV"] = str(Path(args.venv).resolve())
     home_line = (f"FLYWHEEL_HOME=${{FLYWHEEL_HOME:-{shlex.quote(str(home))}}}" if home else
@@ -152,7 +163,7 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
         "#   sbatch THIS_FILE [key=value ...]      # extra overrides go after the recorded ones",
         "# Slurm reads #SBATCH lines only up to the first command; `#SBATCH hetjob` separates the groups.",
         "",
-        *directives(args, args.job_name or cfg.run.name),
+        *directives(args, args.job_name or cfg.run.name, starts_reward_model(cfg)),
         "",
         "set -euo pipefail",
         "# sbatch runs a spooled copy of this file: the checkout comes from the environment.",

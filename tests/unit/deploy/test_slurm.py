@@ -91,16 +91,28 @@ def test_make_sbatch_refuses_a_bad_config_or_gpu_settings_on_a_cpu_job():
     assert run.returncode == 2 and "grpo.no_such_key" in run.stderr
     run = _make_sbatch("deploy/compose/config.yaml", "--cpu")
     assert run.returncode == 2 and "weight_sync.backend=nccl needs GPUs" in run.stderr
-    rm = ["environments=[{name: rm, kind: reward_model}]", "env.reward_model.model_name=tiny"]
-    run = _make_sbatch("deploy/compose/config.yaml", *rm)
-    assert run.returncode == 2 and "which this job does not start" in run.stderr
-    run = _make_sbatch("deploy/compose/config.yaml", *rm, "addresses.reward_model=gpu07:50056")
-    assert run.returncode == 0, run.stderr  # a server the user runs
 
 
-def _dry_run(tmp_path: Path, *overrides: str) -> tuple[dict[str, list[str]], Path]:
+RM = ["environments=[{name: rm, kind: reward_model}]", "env.reward_model.model_name=tiny"]
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_a_config_that_scores_with_a_reward_model_gets_a_het_group_for_its_server(cpu):
+    run = _make_sbatch("deploy/compose/config.yaml", *RM, *(["--cpu", "weight_sync.backend=gloo",
+                                                             "policy.generation.backend=hf"] if cpu else []))
+    assert run.returncode == 0, run.stderr
+    *_, reward_model = groups = _sbatch_groups(run.stdout)
+    assert len(groups) == 4 and "--nodes=1" in reward_model and "--ntasks=1" in reward_model
+    assert [d for d in reward_model if d.startswith("--gpus")] == ([] if cpu else ["--gpus-per-node=1"])
+    assert "FLYWHEEL_REWARD_MODEL_GROUP=${FLYWHEEL_REWARD_MODEL_GROUP:-3}" in run.stdout
+    run = _make_sbatch("deploy/compose/config.yaml", *RM, "addresses.reward_model=gpu07:50056")
+    assert run.returncode == 0, run.stderr  # a server the user runs: the job starts none
+    assert len(_sbatch_groups(run.stdout)) == 3 and "FLYWHEEL_REWARD_MODEL_GROUP" not in run.stdout
+
+
+def _dry_run(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[dict[str, list[str]], Path]:
     run_dir = tmp_path / "run"
-    env = {**os.environ, "FLYWHEEL_DRY_RUN": "1", "FLYWHEEL_HOME": str(ROOT), "FLYWHEEL_VENV": str(VENV_BIN.parent),
+    env = {**os.environ, **(env or {}), "FLYWHEEL_DRY_RUN": "1", "FLYWHEEL_HOME": str(ROOT), "FLYWHEEL_VENV": str(VENV_BIN.parent),
            "FLYWHEEL_RUN_DIR": str(run_dir), "FLYWHEEL_INFRA_HOST": "infra01", "FLYWHEEL_INFRA_IP": "10.0.0.1",
            "FLYWHEEL_TRAINER_HOST": "gpu01", "FLYWHEEL_TRAINER_NODES": "1", "SLURM_JOB_ID": "4242",
            "FLYWHEEL_TRAINER_TASKS_PER_NODE": "4"}
@@ -137,6 +149,19 @@ def test_each_het_group_launches_its_components(tmp_path):
     args = _flywheel_args(trainer)
     assert args.service == "trainer" and "addresses.host=gpu01" in args.overrides
     assert plan["rollout"][-1].endswith("deploy/slurm/rollout_task.sh") and "--gpus-per-task=1" in plan["rollout"]
+
+
+def test_the_reward_model_server_starts_first_in_its_group_and_the_config_points_at_it(tmp_path):
+    plan, run_dir = _dry_run(tmp_path, *RM, env={"FLYWHEEL_REWARD_MODEL_GROUP": "3",
+                                                 "FLYWHEEL_REWARD_MODEL_HOST": "gpu09"})
+    assert list(plan)[:3] == ["nats", "redis", "reward_model"]
+    server = plan["reward_model"]
+    assert server[:2] == ["srun", "--het-group=3"] and "--gpus-per-task=1" in server
+    args = _flywheel_args(server)
+    assert (args.service, args.config) == ("reward_model", f"{run_dir}/config.yaml")
+    assert load_config(run_dir / "config.yaml").addresses.reward_model == "gpu09:50056"
+    plan, _ = _dry_run(tmp_path / "none")
+    assert "reward_model" not in plan
 
 
 def test_resolved_config_carries_the_infra_addresses(tmp_path):
