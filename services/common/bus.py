@@ -29,7 +29,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import SecurityConfig
 from services.common.logs import RateLimitedLog
@@ -203,24 +203,30 @@ async def open_state_bucket(js: JetStreamContext, run: str):
         return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
 
 
-async def read_prefixed(kv, prefix: str, skip: Container[str] = ()) -> dict[str, bytes]:
-    """Every key of the bucket that starts with `prefix`, with its value; the keys in `skip` are not read."""
-    try:
-        keys = [k for k in await kv.keys() if k.startswith(prefix) and k not in skip]
-    except NoKeysError:
-        return {}
+async def read_prefixed(js: JetStreamContext, kv, prefix: str, skip: Container[str] = ()) -> dict[str, bytes]:
+    """Every key of the bucket that starts with `prefix` (which ends with "."), with its value; the keys in `skip`
+    are not read. The keys come from one stream-info request that lists the subjects holding messages, not from
+    nats-py's `kv.keys()`: that one watches the bucket and ends where a pending count says it has seen every key,
+    and right after a broker restart it once ended short (a trainer's early-stop check missed a validation)."""
+    assert prefix.endswith("."), prefix
+    status = await kv.status()
+    subjects = f"$KV.{status.bucket}."
+    info = await js.stream_info(status.stream_info.config.name, subjects_filter=f"{subjects}{prefix}>")
+    keys = [s.removeprefix(subjects) for s in (info.state.subjects or {})]
     out = {}
     for key in keys:
+        if key in skip:
+            continue
         try:
             out[key] = (await kv.get(key)).value
-        except KeyNotFoundError:  # purged between the listing and the read
+        except KeyNotFoundError:  # deleted or purged (its marker holds the subject), or purged since the listing
             continue
     return out
 
 
-async def read_validated(kv, known: Collection[int] = ()) -> dict[int, dict[str, float]]:
+async def read_validated(js: JetStreamContext, kv, known: Collection[int] = ()) -> dict[int, dict[str, float]]:
     """Policy version -> its validation metrics (e.g. {"validation/accuracy": 0.5}), as the controller put them; the
     versions in `known` are left out (a version's validation is written once, so a reader can keep what it read)."""
     skip = {f"{VALIDATED}{version}" for version in known}
     return {int(key.removeprefix(VALIDATED)): json.loads(value)
-            for key, value in (await read_prefixed(kv, VALIDATED, skip)).items()}
+            for key, value in (await read_prefixed(js, kv, VALIDATED, skip)).items()}

@@ -51,7 +51,8 @@ class RunState:
 class StateStore:
     """RunState in the run's KV bucket (history 1: only the latest matters)."""
 
-    def __init__(self, kv) -> None:
+    def __init__(self, js, kv) -> None:
+        self.js = js
         self.kv = kv
         self._last = b""
         self._stored: set[str] = set()
@@ -59,7 +60,7 @@ class StateStore:
 
     @classmethod
     async def open(cls, js, run: str) -> StateStore:
-        return cls(await open_state_bucket(js, run))
+        return cls(js, await open_state_bucket(js, run))
 
     async def load(self) -> RunState | None:
         try:
@@ -97,7 +98,7 @@ class StateStore:
         return [controller_pb2.EnvironmentSpec.FromString(v) for v in values.values()]
 
     async def _values(self, prefix: str) -> dict[str, bytes]:
-        return await read_prefixed(self.kv, prefix)
+        return await read_prefixed(self.js, self.kv, prefix)
 
     async def save_validated(self, version: int, metrics: dict[str, float]) -> None:
         """A validation's metrics, for the trainer to rank checkpoints by (checkpointing.metric_name val:...)."""

@@ -95,7 +95,7 @@ class Validations:
         try:
             if self._bucket is None:
                 self._bucket = await open_state_bucket(self.bus.js, self.run)
-            self._known.update(await read_validated(self._bucket, known=self._known))
+            self._known.update(await read_validated(self.bus.js, self._bucket, known=self._known))
         except (nats.errors.Error, OSError, TimeoutError) as err:
             log.warning("%s: the run's state bucket cannot be read (%s)", why, err)
             return {}
