@@ -52,8 +52,8 @@ def test_nemo_rl_reward_model_config_trains_on_the_reward_models_scores(tmp_path
         rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=900)
         env_log = (tmp_path / "run" / "logs" / "environment.log").read_text()
     rewards = [r["train/reward_mean/reward_model"] for r in rows]
-    # A failed call scores its episodes 0 and logs why; the reward model's scores are real numbers, a different
-    # mean for each step's different completions.
+    # A failed call is logged and its groups handed back, never scored; the reward model's scores are real numbers,
+    # a different mean for each step's different completions.
     assert "failed" not in env_log, env_log[-2000:]
     assert len(set(rewards)) == STEPS and all(r != 0.0 for r in rewards), rewards
     assert statistics.pstdev(rewards) > 0
