@@ -826,6 +826,10 @@ class FlywheelConfig(Section):
         if self.uses_reward_model and rm.model_name is None:
             raise ValueError("env.reward_model.model_name: the reward_model environment needs a reward model (a "
                              "Hugging Face id or path of a sequence-classification model with one label)")
+        unscored = [spec.name for spec in self.environments if spec.kind == REWARD_MODEL and not spec.dataset]
+        if unscored:  # the controller would find out at its first lease, and stop
+            raise ValueError(f"environments {unscored}: the reward_model kind scores prompts but generates none; "
+                             "give each a dataset (a JSONL path of NeMo RL message rows)")
         if self.uses_reward_model and rm.timeout_s >= self.rollout.step_timeout_s:
             raise ValueError(f"env.reward_model.timeout_s {rm.timeout_s:g} must be below rollout.step_timeout_s "
                              f"({self.rollout.step_timeout_s:g}), the deadline of rollout's Step calls")

@@ -1,11 +1,13 @@
 """The Slurm deployment, run for real: make_sbatch.py writes the heterogeneous job, sbatch submits it to
-a throwaway cluster of three logical nodes, and the tiny CPU run trains end to end across its components:
+a throwaway cluster of four logical nodes, and the tiny CPU run trains end to end across its components:
 infra on n1, two gloo trainer ranks (srun tasks) on n2, one rollout worker on n3. Mid-run the replay
-service is killed with SIGKILL; launch.sh starts it again and the job still completes every step.
+service is killed with SIGKILL; launch.sh starts it again and the job still completes every step. A config
+that scores with a reward model gets a fourth component, its server on n4.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -51,38 +53,50 @@ def _kill_replay_after(run_dir: Path, steps: int, killed: list[str], deadline_s:
         time.sleep(0.02)
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm_cluster, tmp_path):
+def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str, during=None):
+    """make_sbatch.py --cpu for `config`, then sbatch --wait; `during(run_dir)` runs in a thread meanwhile. Returns
+    the job's id, the job's output, the components' log tails and the run dir; fails with all of them if the job
+    did not succeed."""
     base = tmp_path / "tiny.yaml"
-    base.write_text(yaml.safe_dump({
-        "run": {"name": "slurm-tiny"}, "policy": {"model_name": "tiny"},
-        "environments": [{"name": "toy", "kind": "toy_copy"}],
-        "grpo": {"max_num_steps": STEPS, "num_prompts_per_step": 2, "num_generations_per_prompt": 4,
-                 "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}}))
+    base.write_text(yaml.safe_dump(config))
     job = tmp_path / "job.sbatch"
     subprocess.run([sys.executable, str(ROOT / "deploy/slurm/make_sbatch.py"), str(base), "--cpu",
-                    "--trainer-nodes", "1", "--trainer-gpus", "2", "--rollout-nodes", "1", "--rollout-gpus", "1",
+                    "--trainer-nodes", "1", "--rollout-nodes", "1", "--rollout-gpus", "1",
                     "--infra-cpus", "1", "--infra-mem", "1000", "--trainer-mem", "1000", "--rollout-mem", "1000",
                     "--time", "00:14:00", "--home", str(ROOT), "--venv", str(VENV),
-                    "--output-log", str(tmp_path / "slurm-%j.out"), "-o", str(job)], check=True)
+                    "--output-log", str(tmp_path / "slurm-%j.out"), "-o", str(job), *make_args], check=True)
     run_dir = tmp_path / "run"
     ports = {f"FLYWHEEL_{k}_PORT": str(free_port()) for k in
-             ("NATS", "NATS_MONITOR", "REDIS", "CONTROLLER", "ENVIRONMENT", "REPLAY", "TRAINER", "MASTER")}
+             ("NATS", "NATS_MONITOR", "REDIS", "CONTROLLER", "ENVIRONMENT", "REPLAY", "TRAINER", "MASTER",
+              "REWARD_MODEL")}
     env = {**slurm_cluster, **ports, "FLYWHEEL_RUN_DIR": str(run_dir), "FLYWHEEL_METRICS_PORT_BASE": "0",
            "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()), "FLYWHEEL_START_TIMEOUT_S": "240",
            "FLYWHEEL_STOP_GRACE_S": "10", "OMP_NUM_THREADS": "1"}
-    killed: list[str] = []
-    killer = threading.Thread(target=_kill_replay_after, args=(run_dir, KILL_AFTER, killed), daemon=True)
-    killer.start()
+    watcher = threading.Thread(target=during, args=(run_dir,), daemon=True) if during else None
+    if watcher:
+        watcher.start()
     submit = subprocess.run(["sbatch", "--parsable", "--wait", str(job)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=840)
-    killer.join(timeout=1)
+    if watcher:
+        watcher.join(timeout=1)
     job_id = submit.stdout.strip().split(";")[0]
     out = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert submit.returncode == 0, f"{submit.stderr}\n{out}\n{logs}"
+    return job_id, out, logs, run_dir
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm_cluster, tmp_path):
+    killed: list[str] = []
+    job_id, out, _, run_dir = _run_job(slurm_cluster, tmp_path, {
+        "run": {"name": "slurm-tiny"}, "policy": {"model_name": "tiny"},
+        "environments": [{"name": "toy", "kind": "toy_copy"}],
+        "grpo": {"max_num_steps": STEPS, "num_prompts_per_step": 2, "num_generations_per_prompt": 4,
+                 "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}},
+        "--trainer-gpus", "2", during=lambda run_dir: _kill_replay_after(run_dir, KILL_AFTER, killed))
 
     components = _job_states(slurm_cluster, job_id)
     assert [c["JobState"] for c in components] == ["COMPLETED"] * 3, components
@@ -96,4 +110,31 @@ def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm
     rng = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{STEPS}" / "rng").iterdir())
     assert rng == ["rank_0.pt", "rank_1.pt"]  # two trainer ranks, started by srun, saved the last checkpoint
     assert re.search(r"Ready to accept connections", (run_dir / "logs" / "redis.log").read_text())
+    assert not processes_mentioning(str(run_dir)), "a component outlived the job"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_reward_model_job_runs_the_reward_model_server_in_a_fourth_component(slurm_cluster, tmp_path):
+    steps = 3
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"copy {i}"}]}) + "\n"
+                            for i in range(8)))
+    job_id, out, logs, run_dir = _run_job(slurm_cluster, tmp_path, {
+        "run": {"name": "slurm-rm"}, "policy": {"model_name": "tiny"},
+        "environments": [{"name": "rm", "kind": "reward_model", "dataset": str(rows)}],
+        "env": {"reward_model": {"model_name": "tiny", "precision": "float32"}},
+        "checkpointing": {"enabled": False},
+        "grpo": {"max_num_steps": steps, "num_prompts_per_step": 2, "num_generations_per_prompt": 4}},
+        "--trainer-gpus", "1")
+
+    components = _job_states(slurm_cluster, job_id)
+    assert [c["JobState"] for c in components] == ["COMPLETED"] * 4, components
+    assert [c["NodeList"] for c in components] == ["n1", "n2", "n3", "n4"]
+    assert "reward_model serving on" in (run_dir / "logs" / "reward_model.log").read_text(), logs
+    assert "failed" not in (run_dir / "logs" / "environment.log").read_text(), logs
+    rows = read_rows(run_dir / "metrics.jsonl")
+    rewards = [r["train/reward_mean/rm"] for r in rows]
+    assert len(rows) == steps and all(r != 0.0 for r in rewards), rewards  # the model's scores, not failures
     assert not processes_mentioning(str(run_dir)), "a component outlived the job"

@@ -29,10 +29,12 @@ def _episode(prompt: str, response: str) -> environment_pb2.Episode:
 @pytest.fixture
 def run(tmp_path):
     """(config, start(service)): the run's config, and a starter of its services as processes."""
+    rows = tmp_path / "rows.jsonl"  # the kind generates no prompts; this test sends its own episodes
+    rows.write_text('{"messages": [{"role": "user", "content": "copy 3"}]}\n')
     cfg = load_config(None, [f"addresses.environment=127.0.0.1:{free_port()}",
                              f"addresses.reward_model=127.0.0.1:{free_port()}", "env.reward_model.model_name=tiny",
                              "env.reward_model.precision=float32",
-                             "environments=[{name: rm, kind: reward_model}]"])
+                             f"environments=[{{name: rm, kind: reward_model, dataset: {rows}}}]"])
     path = write_resolved(cfg, tmp_path)
     procs = []
 

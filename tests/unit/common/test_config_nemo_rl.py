@@ -234,7 +234,8 @@ def test_the_reward_model_config_scores_with_its_reward_model():
     for edit, why in [("env.reward_model.checkpoint_path=/ckpt", "DCP checkpoints are not read"),
                       ("env.reward_model.dtensor_cfg.tensor_parallel_size=2", "no tensor or context parallelism"),
                       ("env.reward_model.reward_model_cfg.reward_model_type=other", "bradley_terry"),
-                      ("env.reward_model.model_name=null", "needs a reward model")]:
+                      ("env.reward_model.model_name=null", "needs a reward model"),
+                      ("environments=[{name: rm, kind: reward_model}]", "generates none; give each a dataset")]:
         with pytest.raises(ConfigError, match=why):
             load_config(CONFIGS / "grpo_rm_1B.yaml", [*EDITS, edit])
 

@@ -93,7 +93,7 @@ def test_make_sbatch_refuses_a_bad_config_or_gpu_settings_on_a_cpu_job():
     assert run.returncode == 2 and "weight_sync.backend=nccl needs GPUs" in run.stderr
 
 
-RM = ["environments=[{name: rm, kind: reward_model}]", "env.reward_model.model_name=tiny"]
+RM = ["environments=[{name: rm, kind: reward_model, dataset: rows.jsonl}]", "env.reward_model.model_name=tiny"]
 
 
 @pytest.mark.parametrize("cpu", [False, True])
