@@ -167,8 +167,9 @@ class Trainer:
                 report["timing/train/total_step_time"] = time.perf_counter() - t_prev
                 t_prev = time.perf_counter()
                 late = out_of_time(limit_s, time.monotonic() - started, (t_prev - looping) / (step + 1 - start))
-                reached = await self._early_stop()
-                await self._finish_step(step, report, groups, save=late, final=reached is not None)
+                validated = await self._early_stop_validations()
+                reached = reached_threshold(validated, self.cfg.grpo) if validated is not None else None
+                await self._finish_step(step, report, groups, validated, save=late, final=reached is not None)
                 if reached is not None:
                     version, value = reached
                     log.warning("grpo.stop_at_validation_metric: the validation of version %d has %s %.4f >= %g: "
@@ -303,22 +304,25 @@ class Trainer:
         return await self.validations.read(f"checkpoint ranking by {name} (the checkpoints still due a validation "
                                            f"are kept)")
 
-    async def _early_stop(self) -> tuple[int, float] | None:
-        """grpo.stop_at_validation_metric: (version, value) of a reported validation that reached the threshold."""
+    async def _early_stop_validations(self) -> dict[int, dict[str, float]] | None:
+        """The reported validations, read once a step when grpo.stop_at_validation_metric may end the run after
+        it; None when it is not set."""
         if self.cfg.grpo.stop_at_validation_metric is None:
             return None
-        return reached_threshold(await self.validations.read("grpo.stop_at_validation_metric"), self.cfg.grpo)
+        return await self.validations.read("grpo.stop_at_validation_metric")
 
     async def _finish_step(self, step: int, metrics: dict[str, float], groups: list[types_pb2.TrajectoryGroup],
-                           *, save: bool = False, final: bool = False) -> None:
+                           validated: dict[int, dict[str, float]] | None, *, save: bool = False,
+                           final: bool = False) -> None:
         """Checkpoint if due (or if `save`: the trainer stops after this step), then record and report, then let
         replay free what the checkpoint covers. The last step (max_num_steps, or `final`: an early stop) saves and
-        reports itself final, which ends the run."""
+        reports itself final, which ends the run. `validated`: the validations this step read already (the early
+        stop's), which rank the checkpoint too; None: read them only if a checkpoint is saved and ranks by one."""
         final = final or step + 1 == self.cfg.grpo.max_num_steps
         checkpointed = self.work.checkpointer.due(step + 1, final or save)
         if checkpointed:
             t0 = time.perf_counter()
-            await self._call("save", step + 1, metrics, await self._validated())
+            await self._call("save", step + 1, metrics, validated if validated is not None else await self._validated())
             metrics["timing/train/checkpoint"] = time.perf_counter() - t0
         for name, value in metrics.items():
             STEP_METRIC.labels(name).set(value)
