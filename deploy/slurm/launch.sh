@@ -72,6 +72,7 @@ INFRA_HOST=${FLYWHEEL_INFRA_HOST:-$(addr_of "$(hosts_of 0 | head -n 1)")}
 TRAINER_HOST=${FLYWHEEL_TRAINER_HOST:-$(addr_of "$(hosts_of 1 | head -n 1)")}
 TRAINER_NODES=${FLYWHEEL_TRAINER_NODES:-$(hosts_of 1 | wc -l)}
 INFRA_IP=${FLYWHEEL_INFRA_IP:-$(ipv4_of "$INFRA_HOST")}
+[[ -n "$INFRA_IP" ]] || { echo "launch.sh: cannot resolve $INFRA_HOST" >&2; exit 1; }
 # The reward-model server's het group (make_sbatch.py adds group 3 when the config scores with
 # env.reward_model and names no server of its own); empty: the job starts none.
 RM_GROUP=${FLYWHEEL_REWARD_MODEL_GROUP:-}
@@ -80,7 +81,6 @@ if [[ -n "$RM_GROUP" ]]; then
   RM_HOST=${FLYWHEEL_REWARD_MODEL_HOST:-$(addr_of "$(hosts_of "$RM_GROUP" | head -n 1)")}
   RM_OVERRIDES=("addresses.reward_model=$RM_HOST:${FLYWHEEL_REWARD_MODEL_PORT:-50056}")
 fi
-[[ -n "$INFRA_IP" ]] || { echo "launch.sh: cannot resolve $INFRA_HOST" >&2; exit 1; }
 
 # --- run dir, secrets, infra configs (nothing here is readable by other users) ---
 umask 077

@@ -148,7 +148,8 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
         "FLYWHEEL_ROLLOUT_PER_NODE": str(args.rollout_gpus),
         "FLYWHEEL_GPUS": "0" if args.cpu else "1",
     }
-    if starts_reward_model(cfg):
+    reward_model = starts_reward_model(cfg)
+    if reward_model:
         env["FLYWHEEL_REWARD_MODEL_GROUP"] = "3"
     if args.venv:
         env["FLYWHEEL_VENV"] = str(Path(args.venv).resolve())
@@ -163,7 +164,7 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
         "#   sbatch THIS_FILE [key=value ...]      # extra overrides go after the recorded ones",
         "# Slurm reads #SBATCH lines only up to the first command; `#SBATCH hetjob` separates the groups.",
         "",
-        *directives(args, args.job_name or cfg.run.name, starts_reward_model(cfg)),
+        *directives(args, args.job_name or cfg.run.name, reward_model),
         "",
         "set -euo pipefail",
         "# sbatch runs a spooled copy of this file: the checkout comes from the environment.",
