@@ -6,7 +6,9 @@ Groups are realistic: 16 completions x 1,000 tokens with per-token logprobs and 
 Each round measures both sides back to back, since on a shared machine the load drifts:
 - ingest: raw pipelines SETs of the round's payloads; then the round's groups are published to
   JetStream and a fresh replay service (a child process, as deployed) drains them into Redis
-  (rate: groups stored per second from the first stored group to the last);
+  (rate: groups stored per second from the first stored group to the last); then the same groups
+  go through a bare consumer (a child process that only fetches from JetStream as replay does, SETs
+  the bytes and acks: no checks, no Lua, no spans), the floor of any Python consumer of the stream;
 - sample: one step at a time, raw pipelines GETs of --per-step payloads, then the service answers
   a Sample of --per-step groups over gRPC; each side's time is summed over the steps, so both see
   the same load.
@@ -33,11 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import redis
+import redis.asyncio
 import yaml
+from nats.js.api import AckPolicy, ConsumerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -98,16 +103,54 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def service_ingest(client: redis.Redis, cfg: FlywheelConfig, n: int, pids: dict[str, int]) -> tuple[float, dict]:
-    """Groups stored per second from the first stored group to the last, and the CPU ms per group of `pids`."""
-    fifo = key_prefix(cfg.run.name) + "fifo"
-    while client.zcard(fifo) == 0:
+def stored_rate(stored: Callable[[], int], n: int, pids: dict[str, int]) -> tuple[float, dict]:
+    """Groups stored per second from the first stored group to the last (`stored` counts them), and the CPU ms
+    per group of `pids` over the same window."""
+    while stored() == 0:
         time.sleep(0.001)
-    start, first, cpu = time.perf_counter(), client.zcard(fifo), {k: cpu_s(pid) for k, pid in pids.items()}
-    while client.zcard(fifo) < n:
+    start, first, cpu = time.perf_counter(), stored(), {k: cpu_s(pid) for k, pid in pids.items()}
+    while stored() < n:
         time.sleep(0.002)
     seconds = time.perf_counter() - start
     return (n - first) / seconds, {k: (cpu_s(pid) - cpu[k]) / (n - first) * 1e3 for k, pid in pids.items()}
+
+
+BARE_COUNT = "bare:stored"
+
+
+def bare_consume(nats_url: str, redis_url: str, run: str, n: int, fetch: int) -> None:
+    """The least a consumer of the trajectory stream does: fetch as replay does (`fetch` at a time, the next fetch
+    overlapping the last write), SET each payload, ack each message after the write. No decode, no checks, no
+    idempotence, no spans: a floor for replay's ingest, in its own process as the service is."""
+
+    async def write(client: redis.asyncio.Redis, msgs: list) -> None:
+        pipe = client.pipeline(transaction=False)
+        for msg in msgs:
+            pipe.set(f"bare:{msg.metadata.sequence.stream}", msg.data)
+        pipe.incrby(BARE_COUNT, len(msgs))
+        await pipe.execute()
+        for msg in msgs:
+            await msg.ack()
+
+    async def consume() -> None:
+        bus = await Bus.connect(nats_url, run, name="bare")
+        stream = bus.subjects.stream("traj")
+        await bus.js.add_consumer(stream, ConsumerConfig(durable_name="bare", ack_policy=AckPolicy.EXPLICIT,
+                                                         filter_subject=bus.subjects.trajectories))
+        sub = await bus.js.pull_subscribe_bind(durable="bare", stream=stream)
+        client = redis.asyncio.Redis.from_url(redis_url)
+        writing, fetched = None, 0
+        while fetched < n:
+            msgs = await sub.fetch(min(fetch, n - fetched), timeout=30)
+            fetched += len(msgs)
+            if writing:
+                await writing
+            writing = asyncio.create_task(write(client, msgs))
+        await writing
+        await client.aclose()
+        await bus.close()
+
+    asyncio.run(consume())
 
 
 def serve_reply(port: int, reply: bytes) -> None:
@@ -188,8 +231,9 @@ def run_round(r: int, tmp: Path, cfg: FlywheelConfig, client: redis.Redis, serve
     out["published"] = asyncio.run(publish(cfg, payloads))
     service = subprocess.Popen([sys.executable, "-m", "services.replay.main", "--config", str(tmp / "cfg.yaml")],
                                stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    fifo = key_prefix(cfg.run.name) + "fifo"
     try:
-        out["svc_in"], cpu = service_ingest(client, cfg, args.groups, {"replay": service.pid, **servers})
+        out["svc_in"], cpu = stored_rate(lambda: client.zcard(fifo), args.groups, {"replay": service.pid, **servers})
         out |= {f"cpu_svc_{k}": v for k, v in cpu.items()}
         first = r * (args.groups // args.per_step)  # steps go on across rounds (replay keeps the recorded ones)
         rates, replies = asyncio.run(both_sample(cfg, client, keys, range(first, first + args.groups // args.per_step),
@@ -200,6 +244,20 @@ def run_round(r: int, tmp: Path, cfg: FlywheelConfig, client: redis.Redis, serve
         service.wait()
     client.delete(*keys)
     out["parse_ms"] = check_replies(replies, args.per_step, set(payloads)) * 1000
+
+    bare_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"bare{r}"})})
+    asyncio.run(publish(bare_cfg, payloads))
+    bare = multiprocessing.get_context("spawn").Process(target=bare_consume, args=(
+        cfg.addresses.nats_url, cfg.addresses.redis_url, bare_cfg.run.name, args.groups, cfg.replay.fetch_batch))
+    bare.start()
+    try:
+        out["bare_in"], cpu = stored_rate(lambda: int(client.get(BARE_COUNT) or 0), args.groups,
+                                          {"bare": bare.pid, **servers})
+        out |= {f"cpu_bare_{k}": v for k, v in cpu.items()}
+    finally:
+        bare.join(60)
+        bare.terminate()
+    client.delete(BARE_COUNT, *(f"bare:{seq}" for seq in range(1, args.groups + 1)))
     return out
 
 
@@ -253,6 +311,12 @@ def main() -> None:
     by_cores = cores * 1e3 / (med["cpu_svc_replay"] + med["cpu_svc_redis"] + med["cpu_svc_nats"])
     print(f"ingest bound from that CPU: replay's thread {by_thread:.0f} groups/s, {cores} cores over the path "
           f"{by_cores:.0f} groups/s: at most {min(by_thread, by_cores) / med['raw_in']:.2f} of raw's median")
+    bare_ratio = statistics.median(x["bare_in"] / x["raw_in"] for x in rounds)
+    print(f"ingest floor, a bare consumer of the same stream (fetch, SET, ack; nothing else), in the same rounds: "
+          f"{med['bare_in']:.0f} groups/s, {bare_ratio:.2f} of raw; replay reaches "
+          f"{statistics.median(x['svc_in'] / x['bare_in'] for x in rounds):.2f} of it")
+    print(f"bare consumer CPU ms per group (median): consumer {med['cpu_bare_bare']:.3f} + redis "
+          f"{med['cpu_bare_redis']:.3f} + nats {med['cpu_bare_nats']:.3f}")
     print(f"sample over bare gRPC (a server that only returns the same reply bytes, no Redis), in the same turns: "
           f"{med['bare_out']:.0f} batches/s, {statistics.median(x['bare_out'] / x['raw_out'] for x in rounds):.2f} of raw")
     # A unary Sample reads the batch from Redis (raw's work) and only then replies (bare gRPC's work): its time is at
