@@ -6,7 +6,9 @@ through `RemoteEnvironment`: a call it gets no usable answer for is answered UNA
 hands the group back; nothing is scored), and its retries stay inside the deadline of the Step call that asked.
 
 Unregister retires a name rather than forgetting it at once: groups leased before the
-controller removed the environment still find it for `RETIRED_GRACE_S`, so they finish.
+controller removed the environment still find it for `RETIRED_GRACE_S`, so they finish. A retired
+remote that gives no answer is answered NOT_FOUND at once, as after its grace: it will not come back
+to the mix, so its groups are dropped and replaced rather than handed back until the grace ends.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from google.protobuf import json_format
 from opentelemetry import trace
 
 from services.common.config import REWARD_MODEL
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, require
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
@@ -100,13 +102,25 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         with tracer.start_as_current_span("environment.step", attributes={
                 "flywheel.env": request.env_name, "flywheel.episodes": len(request.episodes)}) as span:
             if isinstance(env, RemoteEnvironment):
-                results = await env.step(request, budget_s=context.time_remaining())
+                results = await self._remote_step(request.env_name, env, request, context.time_remaining())
             else:
                 conversations, metadata = decode_episodes(request)
                 results = await asyncio.to_thread(env.step, conversations, metadata,
                                                   return_extracted_answer=request.return_extracted_answer)
             span.set_attribute("flywheel.reward_mean", sum(r.reward for r in results) / max(1, len(results)))
         return environment_pb2.StepResponse(results=[encode_result(r) for r in results])
+
+    async def _remote_step(self, name: str, env: RemoteEnvironment, request, budget_s: float | None):
+        try:
+            return await env.step(request, budget_s=budget_s)
+        except Unavailable as err:
+            if name in self.named:
+                raise  # in the mix: rollout hands the group back until the remote answers again
+            # Removed from the mix and not answering: waiting out its grace would only stall the steps these groups
+            # were leased for. NOT_FOUND makes rollout announce the group stale; the controller leases a prompt of
+            # the mix in its place.
+            raise NotFound(f"environment {name!r} was removed from the mix and does not answer ({err}); "
+                           "its group is dropped") from None
 
     async def Register(self, request, context):
         require(bool(NAME.match(request.name)), f"name must match {NAME.pattern}, got {request.name!r}")

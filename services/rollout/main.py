@@ -313,9 +313,10 @@ class RolloutWorker:
             self.in_flight -= 1
 
     async def _environment_gone(self, msg, group: types_pb2.PromptGroup, err: grpc.aio.AioRpcError) -> None:
-        """The environment service no longer knows the group's environment (removed from the mix, and its grace
-        for groups leased before has passed): no delivery can score it. Announced stale, so the controller leases
-        a prompt of the mix in its place; then dropped from the work queue."""
+        """The environment service will not score the group's environment again (removed from the mix, and its
+        grace for groups leased before has passed or its remote does not answer): no delivery can score it.
+        Announced stale, so the controller leases a prompt of the mix in its place; then dropped from the work
+        queue."""
         _warn.warning("environment gone", "group %s: %s; the controller replaces it", group.group_id, err.details())
         await self.bus.publish(self.bus.subjects.stale, types_pb2.StaleGroups(group_ids=[group.group_id]),
                                msg_id=f"gone:{group.group_id}")

@@ -160,6 +160,28 @@ async def test_unregistered_remote_still_serves_groups_leased_before_removal(env
     assert response.results[0].reward == 1.0
 
 
+async def test_a_removed_remote_that_fails_is_not_found_at_once_so_rollout_drops_its_group(environment_service,
+                                                                                          faulty_remote):
+    """In the mix, a failing remote's call is UNAVAILABLE (the group is handed back until it answers); once removed,
+    it will not come back, so the same failure is NOT_FOUND (rollout announces the group stale and the controller
+    leases a prompt of the mix instead), without waiting out the removal's grace."""
+    await environment_service.Register(environment_pb2.RegisterRequest(name="leaving", address=faulty_remote.address))
+    faulty_remote.servicer.mode = "error"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await environment_service.Step(step_request("leaving", 1), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    await environment_service.Unregister(environment_pb2.UnregisterRequest(name="leaving"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await environment_service.Step(step_request("leaving", 1), timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "removed from the mix and does not answer" in info.value.details(), info.value.details()
+
+    faulty_remote.servicer.mode = "ok"  # answering again within the grace: its groups still finish
+    response = await environment_service.Step(step_request("leaving", 1), timeout=5)
+    assert response.results[0].reward == 1.0
+
+
 async def test_registering_an_unreachable_remote_is_invalid_argument(environment_service):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await environment_service.Register(environment_pb2.RegisterRequest(name="gone", address="127.0.0.1:1"),

@@ -1,11 +1,13 @@
-"""Full stack: a remote environment that goes down mid-run trains nothing it did not score.
+"""Full stack: a remote environment that goes down mid-run trains nothing it did not score, and removing it lets
+the run go on without it.
 
 A run mixes the built-in toy environment with examples/remote_env_server.py, submitted at run time. The remote is
 SIGKILLed while the run trains on both, and started again on the same port once rollout has handed groups back.
 Meanwhile the environment service answers the remote's Steps UNAVAILABLE and rollout hands those groups back to the
 work queue (the run waits for them: their steps are short of groups). Every trained episode of the remote must
 carry the remote's own verdict: the server sets `answer` to the first character of the response, which no failed or
-made-up result would have.
+made-up result would have. A dead remote that is removed (`flywheel env remove`) instead has its leased groups
+replaced by prompts of the remaining mix at their next delivery, not after the removal's 10-minute grace.
 """
 
 from __future__ import annotations
@@ -46,10 +48,22 @@ async def submit(stack: LocalStack, address: str) -> None:
         await client.close()
 
 
+async def remove(stack: LocalStack) -> None:
+    client = ControllerClient(stack.cfg.addresses.controller, timeout_s=20)
+    try:
+        await client.remove(NAME)
+    finally:
+        await client.close()
+
+
+def small_run():
+    return load_config(None, ["grpo.max_num_steps=1000", "grpo.num_prompts_per_step=4",
+                              "grpo.num_generations_per_prompt=4", "grpo.async_grpo.max_trajectory_age_steps=1",
+                              "checkpointing.enabled=false"])
+
+
 def test_a_remote_that_goes_down_is_waited_for_and_none_of_its_failures_is_trained(tmp_path):
-    cfg = load_config(None, ["grpo.max_num_steps=1000", "grpo.num_prompts_per_step=4",
-                             "grpo.num_generations_per_prompt=4", "grpo.async_grpo.max_trajectory_age_steps=1",
-                             "checkpointing.enabled=false"])
+    cfg = small_run()
     port = free_port()
     remote, address = start_example_server(port)
     try:
@@ -82,3 +96,30 @@ def test_a_remote_that_goes_down_is_waited_for_and_none_of_its_failures_is_train
         for c in group.completions:
             # the remote's answer is the response's first non-blank character: a result it never gave has none
             assert c.answer == c.text.strip()[:1], (group.group_id, c.text, c.answer, c.reward)
+
+
+def test_removing_a_dead_remote_replaces_its_leased_groups_and_the_run_goes_on(tmp_path):
+    remote, address = start_example_server()
+    try:
+        with LocalStack(small_run(), tmp_path) as stack:
+            stack.start_services()
+            stack.wait_for(lambda r: len(r) >= 1, "the first step", timeout_s=180)
+            asyncio.run(submit(stack, address))
+            stack.wait_for(lambda r: sum(KEY in x for x in r) >= 2, f"{NAME} trained", timeout_s=120)
+
+            remote.kill()
+            remote.wait()
+            rollout_log = tmp_path / "logs" / "rollout-0.log"
+            stack.wait_for(lambda r: rollout_log.read_text().count("handing it back") >= 3,
+                           "rollout handing the remote's groups back", 60)
+            asyncio.run(remove(stack))
+            # The dead remote's groups were leased for the next steps: those steps go on only once each group is
+            # replaced (at its next delivery, at most 10 s later), well before the 10-minute grace.
+            removed = len(read_metrics(tmp_path))
+            stack.wait_for(lambda r: len(r) >= removed + 5, "five steps after the removal", 90)
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+        remote.wait()
+
+    assert "the controller replaces it" in rollout_log.read_text()
