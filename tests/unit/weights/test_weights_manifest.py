@@ -85,6 +85,14 @@ def test_pack_accepts_non_contiguous_sources():
     assert torch.equal(dst["t"], src["t"])
 
 
+def test_unpack_fills_parameters_and_non_contiguous_destinations():
+    src = {"w": torch.randn(3, 4), "t": torch.randn(4, 3), "h": torch.randn(5).to(torch.float16)}
+    dst = {"w": torch.nn.Parameter(torch.zeros(3, 4)), "t": torch.zeros(3, 4).t(), "h": torch.zeros(5, dtype=torch.float16)}
+    (bucket,) = plan_buckets(Manifest.of(src), 1024)
+    unpack(bucket, pack(bucket, src, new_buffer(bucket.nbytes)), dst)
+    assert all(torch.equal(dst[k], src[k]) for k in src)
+
+
 def test_whole_source_shares_storage_with_a_contiguous_tensor():
     src = {"big": torch.randn(100)}
     (bucket,) = plan_buckets(Manifest.of(src), 64)
