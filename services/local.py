@@ -330,9 +330,9 @@ def _progress_line(cfg: FlywheelConfig, report: types_pb2.StepReport, elapsed: f
             f"sync {1000 * m['timing/train/weight_sync']:5.1f} ms  step {step_s:.2f} s  [{elapsed:5.0f}s]")
 
 
-PARTS = [("generation", "timing/train/generation"), ("environment", "timing/train/environment"),
-         ("replay", "timing/train/replay"), ("training", "timing/train/policy_training"),
-         ("weight sync", "timing/train/weight_sync")]
+TRAINER_PARTS = [("replay", "timing/train/replay"), ("training", "timing/train/policy_training"),
+                 ("weight sync", "timing/train/weight_sync")]
+ROLLOUT_PARTS = [("generation", "timing/train/generation"), ("environment", "timing/train/environment")]
 
 
 TIMELINE = [("lease delay", "timing/train/lease_delay"), ("rollout", "timing/train/rollout_span"),
@@ -343,31 +343,39 @@ TIMELINE = [("lease delay", "timing/train/lease_delay"), ("rollout", "timing/tra
             ("confirm", "timing/train/weight_sync/confirm")]
 
 
+def summary_lines(cfg: FlywheelConfig, rows: list[dict]) -> list[str]:
+    """The end-of-run summary of the steps in `rows` (metrics.jsonl): rewards, then where a step's time went.
+
+    The trainer's parts run one after another in it. Rollout's are each group's own latency: a worker generates
+    many groups at once (one batch) and scores them while the next generate, so they overlap each other and, with
+    k >= 1, training; summed over a step's groups they say nothing of the step's length. The step timeline is the
+    trainer's split of the step itself (docs/architecture.md, "Step anatomy")."""
+
+    def mean(key: str, rs=rows) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    first, last = rows[:10], rows[-10:]
+    trainer = ", ".join(f"{name} {mean(key):.3f}" for name, key in TRAINER_PARTS)
+    per_group = ", ".join(f"{name} {mean(key) / cfg.grpo.num_prompts_per_step:.3f}" for name, key in ROLLOUT_PARTS)
+    lines = [(f"summary: {len(rows)} steps, max_staleness={cfg.grpo.max_staleness}, "
+              f"{cfg.rollout.num_workers} rollout worker(s)"),
+             (f"  reward: first 10 steps {mean('train/reward_mean', first):.3f} -> last 10 steps "
+              f"{mean('train/reward_mean', last):.3f}"),
+             f"  mean step time {mean('timing/train/total_step_time'):.3f} s; in the trainer: {trainer} s",
+             f"  rollout, mean per group (groups overlap one another and training): {per_group} s"]
+    timeline = [(name, key) for name, key in TIMELINE if key in rows[-1]]
+    if timeline:
+        lines.append("  step timeline: " + ", ".join(
+            f"{name} {mean(key, [r for r in rows if key in r]):.3f}" for name, key in timeline) + " s")
+    return lines
+
+
 def _summary(cfg: FlywheelConfig, run_dir: Path) -> None:
     rows = read_metrics(run_dir)
     if not rows:
         print("no training steps finished", flush=True)
         return
-
-    def mean(key: str, rs=rows) -> float:
-        return sum(r[key] for r in rs) / len(rs)
-
-    workers = cfg.rollout.num_workers
-    step = mean("timing/train/total_step_time")
-    parts = {name: mean(key) / (workers if name in ("generation", "environment") else 1) for name, key in PARTS}
-    first, last = rows[:10], rows[-10:]
-    print(f"\nsummary: {len(rows)} steps, max_staleness={cfg.grpo.max_staleness}, {workers} rollout worker(s)\n"
-          f"  reward: first 10 steps {mean('train/reward_mean', first):.3f} -> last 10 steps "
-          f"{mean('train/reward_mean', last):.3f}\n  mean step time {step:.3f} s =", flush=True)
-    for name, value in parts.items():
-        print(f"    {name:<12} {value:7.3f} s", flush=True)
-    remainder = step - sum(parts.values())
-    print(f"    {'remainder':<12} {remainder:7.3f} s  control plane: NATS hops, leasing, queueing"
-          + ("  (negative: rollout overlapped training)" if remainder < 0 else ""), flush=True)
-    timeline = [(name, key) for name, key in TIMELINE if key in rows[-1]]
-    if timeline:  # the trainer's breakdown of the same steps (docs/architecture.md, "Step anatomy")
-        print("  step timeline: " + ", ".join(
-            f"{name} {mean(key, [r for r in rows if key in r]):.3f}" for name, key in timeline) + " s", flush=True)
+    print("\n" + "\n".join(summary_lines(cfg, rows)), flush=True)
     restarts = read_restarts(run_dir)
     if restarts:
         print(f"  restarts: {len(restarts)} (" + ", ".join(
