@@ -257,11 +257,11 @@ class Controller:
                 continue
             old = self.leased.pop(gid, None)
             self.releases += 1
-            if old is not None and old.env_name not in self.registry.entries:
-                # Its environment left the mix (removed; rollout could not score it): a prompt of the mix as it is now.
-                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}")
-            elif old is not None:  # lease the same prompt for the step that is waiting for data
-                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=old)
+            if old is not None:
+                # For the step that is waiting for data: the same prompt, unless its environment left the mix
+                # (removed; rollout could not score it), then a prompt of the mix as it is now.
+                again = old if old.env_name in self.registry.entries else None
+                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=again)
             else:
                 # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
                 # its step was filled from later steps' groups, so the run is one group short. A new prompt.

@@ -13,6 +13,7 @@ replaced by prompts of the remaining mix at their next delivery, not after the r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from env_harness import start_example_server
@@ -38,22 +39,18 @@ def rows(count: int) -> list[types_pb2.DatasetRow]:
     return out
 
 
-async def submit(stack: LocalStack, address: str) -> None:
+async def on_controller(stack: LocalStack, call: Callable[[ControllerClient], Awaitable]) -> None:
     client = ControllerClient(stack.cfg.addresses.controller, timeout_s=20)
     try:
-        await client.submit(controller_pb2.EnvironmentSpec(
-            name=NAME, address=address, rows=rows(50), weight=1, max_turns=1, timeout_seconds=2.0,
-            sampling=types_pb2.SamplingParams(max_new_tokens=4)))
+        await call(client)
     finally:
         await client.close()
 
 
-async def remove(stack: LocalStack) -> None:
-    client = ControllerClient(stack.cfg.addresses.controller, timeout_s=20)
-    try:
-        await client.remove(NAME)
-    finally:
-        await client.close()
+def submit(stack: LocalStack, address: str) -> None:
+    spec = controller_pb2.EnvironmentSpec(name=NAME, address=address, rows=rows(50), weight=1, max_turns=1,
+                                          timeout_seconds=2.0, sampling=types_pb2.SamplingParams(max_new_tokens=4))
+    asyncio.run(on_controller(stack, lambda client: client.submit(spec)))
 
 
 def small_run():
@@ -70,7 +67,7 @@ def test_a_remote_that_goes_down_is_waited_for_and_none_of_its_failures_is_train
         with LocalStack(cfg, tmp_path) as stack:
             stack.start_services()
             stack.wait_for(lambda r: len(r) >= 1, "the first step", timeout_s=180)
-            asyncio.run(submit(stack, address))
+            submit(stack, address)
             stack.wait_for(lambda r: sum(KEY in x for x in r) >= 2, f"{NAME} trained", timeout_s=120)
 
             remote.kill()  # SIGKILL: no goodbye to the environment service
@@ -104,7 +101,7 @@ def test_removing_a_dead_remote_replaces_its_leased_groups_and_the_run_goes_on(t
         with LocalStack(small_run(), tmp_path) as stack:
             stack.start_services()
             stack.wait_for(lambda r: len(r) >= 1, "the first step", timeout_s=180)
-            asyncio.run(submit(stack, address))
+            submit(stack, address)
             stack.wait_for(lambda r: sum(KEY in x for x in r) >= 2, f"{NAME} trained", timeout_s=120)
 
             remote.kill()
@@ -112,7 +109,7 @@ def test_removing_a_dead_remote_replaces_its_leased_groups_and_the_run_goes_on(t
             rollout_log = tmp_path / "logs" / "rollout-0.log"
             stack.wait_for(lambda r: rollout_log.read_text().count("handing it back") >= 3,
                            "rollout handing the remote's groups back", 60)
-            asyncio.run(remove(stack))
+            asyncio.run(on_controller(stack, lambda client: client.remove(NAME)))
             # The dead remote's groups were leased for the next steps: those steps go on only once each group is
             # replaced (at its next delivery, at most 10 s later), well before the 10-minute grace.
             removed = len(read_metrics(tmp_path))
