@@ -30,14 +30,14 @@ model runners, and the worker holds one of them; the sampler object says which:
   wrapper returns a copy of the logits it was given instead (the filter masks them in place).
 A sampler of neither shape (a later vLLM) stops the worker's setup with the reason, rather than letting it
 return renormalised logprobs. Both wrappers run against vLLM's real samplers on CPU in
-tests/unit/rollout/test_vllm_logprobs.py; the V2 runner itself needs Triton, so on CUDA only.
+tests/unit/rollout/test_vllm_logprobs.py. The V2 runner itself needs Triton (on CPU: triton-cpu) and has not
+been run: no GPU with vLLM here (docs/vllm.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import inspect
+from typing import Any
 
 import torch
 
