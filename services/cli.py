@@ -73,10 +73,12 @@ def cmd_up(args) -> int:
 def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     """data.* read and checked (a bad file or row stops here, before anything starts), trackers
     importable, grpo.max_num_steps bounded by grpo.max_num_epochs; each decision printed."""
+    from services.common.chat_template import check_chat_template
     from services.controller.data import DataError, plan_config
     from services.controller.tracking import TrackerError, check_trackers
 
     try:
+        check_chat_template(cfg.policy)
         check_trackers(cfg)
         cfg, lines = plan_config(cfg)
     except DataError as err:
