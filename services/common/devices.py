@@ -92,7 +92,7 @@ class Plan:
             return "devices: no GPU on this host: every service runs on CPU"
         placed = "; ".join(f"{n} GPU {','.join(d)}" for n, d in self.devices.items())
         shared = "".join(f" [{d} shared by {', '.join(n)}]" for d, n in self.sharing().items())
-        return f"devices ({len(self.gpus)} GPU(s), CUDA_VISIBLE_DEVICES per process): {placed or 'none used'}{shared}"
+        return f"devices on {len(self.gpus)} GPU(s): {placed or 'none used'}{shared}"
 
 
 def plan(demand: Demand, gpus: list[str] | tuple[str, ...]) -> Plan:
@@ -118,6 +118,11 @@ def problems(cfg: FlywheelConfig, gpus: list[str] | tuple[str, ...]) -> list[Pro
     """What cannot run on a host with `gpus`, each with the alternative named (config_problems aside, which
     config.load reports)."""
     d = demand_of(cfg)
+    return capacity_problems(d, gpus) or placement_problems(d, plan(d, gpus))
+
+
+def capacity_problems(d: Demand, gpus: list[str] | tuple[str, ...]) -> list[Problem]:
+    """Processes that need more devices of their own than the host has, or GPUs where there are none."""
     if not gpus:
         return [("weight_sync.backend", "nccl needs GPUs and this host has none (CUDA_VISIBLE_DEVICES, "
                  "nvidia-smi); use gloo, which runs on CPU")] if d.nccl else []
@@ -127,8 +132,12 @@ def problems(cfg: FlywheelConfig, gpus: list[str] | tuple[str, ...]) -> list[Pro
     if d.rollout_gpus > len(gpus):
         return [("policy.generation.vllm_cfg.tensor_parallel_size", f"{d.rollout_gpus} needs a GPU per TP rank "
                  f"and this host has {len(gpus)}; set it <= {len(gpus)}")]
-    p = plan(d, gpus)
-    return _memory_problems(d, p) + (_nccl_problems(p) if d.nccl else [])
+    return []
+
+
+def placement_problems(d: Demand, p: Plan) -> list[Problem]:
+    """What cannot run where `p` puts the processes: vLLM's memory on a shared device, NCCL on a shared device."""
+    return _memory_problems(d, p) + (_nccl_problems(p) if d.nccl and p.gpus else [])
 
 
 def config_problems(cfg: FlywheelConfig) -> list[Problem]:
