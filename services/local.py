@@ -18,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
 from services.common.devices import Plan, checked_plan, device_env
@@ -26,6 +29,7 @@ from services.common.infra import Server, child_env, die_with_parent, free_port,
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import types_pb2
 from services.common.security import secret_env, with_local_credentials
+from services.common.server import channel
 
 START_ORDER = ("environment", "replay", "controller", "trainer", "rollout")
 INFRA = ("nats", "redis")
@@ -221,9 +225,24 @@ class LocalStack:
         for service in START_ORDER:
             if service != "rollout":
                 self.children.start(service, service, self.config_path)
+        if self.children.devices.rollout_shares_the_trainers():
+            # vLLM counts whatever else grows on its GPU while it starts as its own (vllm/utils/mem_utils.py,
+            # memory_profiling), and sizes its KV cache by that: let the trainer load its model first.
+            self.wait_serving("trainer")
         for i in range(self.cfg.rollout.num_workers):
             extra = [] if i == 0 else [f"addresses.rollout=127.0.0.1:{free_port()}"]
             self.children.start(f"rollout-{i}", "rollout", self.config_path, extra)
+
+    def wait_serving(self, service: str, timeout_s: float = 900) -> None:
+        """Until `service` answers its gRPC health check SERVING; raises if a child dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not asyncio.run(_serving(service, getattr(self.cfg.addresses, service), self.cfg.security)):
+            failure = self.children.supervise()
+            if failure:
+                raise RuntimeError(failure)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service} did not serve within {timeout_s:.0f} s; see its log")
+            time.sleep(0.5)
 
     def wait_for(self, done: Callable[[list[dict]], bool], what: str, timeout_s: float) -> list[dict]:
         """Metrics rows once `done(rows)`; raises if a service dies or `timeout_s` passes first."""
@@ -247,6 +266,16 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+async def _serving(service: str, address: str, security) -> bool:
+    async with channel(address, security=security) as ch:
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=f"flywheel.v1.{service}"), timeout=2)
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | None, resume: bool = False) -> int:

@@ -87,6 +87,11 @@ class Plan:
                 on.setdefault(d, []).append(name)
         return {d: names for d, names in on.items() if len(names) > 1}
 
+    def rollout_shares_the_trainers(self) -> bool:
+        """A rollout worker is on one of the trainer's devices (one GPU: they time-share it)."""
+        trainer = set(self.devices.get("trainer", ()))
+        return any(trainer & set(devs) for name, devs in self.devices.items() if name.startswith("rollout-"))
+
     def describe(self) -> str:
         if not self.gpus:
             return "devices: no GPU on this host: every service runs on CPU"

@@ -7,13 +7,14 @@ so the children run their CPU code whatever they are shown. Each child's environ
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from services.common.config import ConfigError, load_config
 from services.common.devices import checked_plan
-from services.local import INFRA, LocalStack, run_local
+from services.local import INFRA, LocalStack, _serving, run_local
 
 VLLM_NCCL = ["policy.generation.backend=vllm", "weight_sync.backend=nccl"]
 
@@ -46,3 +47,17 @@ def test_flywheel_up_refuses_nccl_on_one_gpu_before_anything_starts(tmp_path, mo
     with pytest.raises(ConfigError, match="weight_sync.backend: nccl between processes that share a device"):
         run_local(cfg, None, str(held))
     assert sorted(p.name for p in held.iterdir()) == ["metrics.jsonl"]
+
+
+def test_on_one_gpu_rollout_starts_once_the_trainer_serves(tmp_path, monkeypatch):
+    # vLLM would count the trainer's model load, were it at the same moment on the same GPU, against its own
+    # memory. Without the wait, start_services returns milliseconds after spawning the trainer, long before
+    # it imports torch and serves.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    cfg = load_config(None, ["policy.generation.backend=vllm", "checkpointing.enabled=false"])
+    devices = checked_plan(cfg)
+    assert devices.rollout_shares_the_trainers()
+    with LocalStack(cfg, tmp_path, devices) as stack:
+        stack.start_services()
+        assert "rollout-0" in stack.children.procs
+        assert asyncio.run(_serving("trainer", stack.cfg.addresses.trainer, stack.cfg.security))
