@@ -22,6 +22,7 @@ import logging
 import sys
 
 from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
+from services.common.devices import checked_plan
 from services.common.errors import RUN_FAILED_EXIT, RunFailed
 from services.common.logs import setup_logging
 
@@ -111,6 +112,7 @@ def cmd_config(args) -> int:
     for key, why in notes:
         print(f"note: {key}: {why}")
     _planned(cfg)
+    print(checked_plan(cfg).describe())  # the devices `flywheel up` would give each process here
     print(f"{path or 'the embedded default'}: ok ({len(notes)} keys accepted without effect)")
     return 0
 
