@@ -21,7 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
+from services.common.nemo_rl_optim import fused_adam
 from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
 
 AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
@@ -57,12 +59,11 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.tokenizer.use_fastokens", is_(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", any_, "rollout batches a group's samples itself"),
     Rule("policy.offload_optimizer_for_logprob", is_(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor "
+    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, as both of "
+         "NeMo RL's DTensor workers are (_v2 true: Automodel's; false: the first), with tensor "
          "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, "
          "no Automodel kwargs but force_hf: true"),
     Rule("policy.lora_cfg.use_triton", any_, "a kernel choice (Triton or not); the LoRA math is the same"),
-    Rule("policy.megatron_cfg.*", when("policy.megatron_cfg.enabled", False),
-         "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
     Rule("policy.draft", off, "draft-model (speculative) training is not built"),
     Rule("policy.sequence_packing.*", any_, "packing order and rounding change speed, not the loss"),
     Rule("policy.dynamic_batching.sequence_length_round", any_, "rounding changes speed, not the loss"),
@@ -133,6 +134,8 @@ RULES: tuple[Rule, ...] = (
     Rule("data_plane", any_, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
          "Flywheel's replay (Redis) and gRPC do that job whatever it says"),
     Rule("on_policy_distillation", is_(None), "on-policy distillation is not built"),
+    Rule("async_rl", is_(None), "NeMo RL's single-controller streaming mode (samplers, rollout-failure budgets) is "
+         "not mapped; Flywheel's async GRPO is grpo.async_grpo (enabled, max_trajectory_age_steps)"),
 )
 
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
@@ -154,13 +157,16 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     problems: list[Problem] = []
     notes: list[Problem] = []
     game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
+    megatron.prepare(out, problems, notes)
+    fused_adam(get(out, "policy.optimizer"), problems, notes)
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)
     if game:
         _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
-    _walk(out, copy.deepcopy(out), "", schema, problems, notes)  # rules read the tree as written
+    rules = RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
+    _walk(out, copy.deepcopy(out), "", schema, rules, problems, notes)  # rules read the tree as written
     return out, problems, notes
 
 
@@ -207,19 +213,19 @@ def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:
     node[leaf] = value
 
 
-def _walk(node: dict, root: dict, prefix: str, model: type[BaseModel] | None, problems, notes) -> None:
+def _walk(node: dict, root: dict, prefix: str, model: type[BaseModel] | None, rules, problems, notes) -> None:
     for key in list(node):
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key) if model is not None else None
         if field is not None:
             sub = _section(field.annotation)
             if sub is not None and isinstance(node[key], dict):
-                _walk(node[key], root, f"{dotted}.", sub, problems, notes)
+                _walk(node[key], root, f"{dotted}.", sub, rules, problems, notes)
             continue
-        rule = next((r for r in RULES if fnmatch.fnmatchcase(dotted, r.pattern.replace("*", "[!.]*"))), None)
+        rule = next((r for r in rules if fnmatch.fnmatchcase(dotted, r.pattern.replace("*", "[!.]*"))), None)
         if rule is None:
-            if isinstance(node[key], dict) and any(r.pattern.startswith(f"{dotted}.") for r in RULES):
-                _walk(node[key], root, f"{dotted}.", None, problems, notes)
+            if isinstance(node[key], dict) and any(r.pattern.startswith(f"{dotted}.") for r in rules):
+                _walk(node[key], root, f"{dotted}.", None, rules, problems, notes)
                 if not node[key]:
                     del node[key]  # every key below was a rule's
             continue  # else the schema names it unknown, with the others
