@@ -30,12 +30,12 @@ AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
 """Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
 
 
-def _dtensor(v: Any, tree: dict) -> bool:
-    v = v if isinstance(v, dict) else {}
-    tp = get(tree, "policy.tensor_parallel_size", 1)  # moved out of dtensor_cfg before the rules run
-    return (v.get("enabled", True) and v.get("context_parallel_size", 1) == 1
-            and not (tp > 1 and v.get("sequence_parallel")) and v.get("custom_parallel_plan") is None
-            and all(AUTOMODEL_AS_FLYWHEEL.get(k, MISSING) == x for k, x in (v.get("automodel_kwargs") or {}).items()))
+def _automodel(v: Any, _: dict) -> bool:
+    return all(AUTOMODEL_AS_FLYWHEEL.get(k, MISSING) == x for k, x in (v or {}).items())
+
+
+def _sequence_parallel(v: Any, tree: dict) -> bool:
+    return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
 
 
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
@@ -46,6 +46,9 @@ RULES: tuple[Rule, ...] = (
          "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),
     Rule("grpo.invalid_tool_call_advantage", is_(None), "tool-call advantage overrides are not built"),
     Rule("grpo.malformed_thinking_advantage", is_(None), "thinking-tag advantage overrides are not built"),
+    Rule("grpo.skip_reference_policy_logprobs_calculation",
+         lambda v, t: not v or get(t, "loss_fn.reference_policy_kl_penalty") == 0,
+         "with loss_fn.reference_policy_kl_penalty 0 Flywheel computes no reference logprobs; above 0 it needs them"),
     Rule("grpo.val_batch_size", any_, "validation prompts go to rollout one request each; the engine batches"),
     Rule("grpo.async_grpo.max_generation_failures", is_(0),
          "a failed generation is redelivered by the work queue (after ack_wait), never dropped"),
@@ -59,10 +62,23 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.tokenizer.use_fastokens", is_(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", any_, "rollout batches a group's samples itself"),
     Rule("policy.offload_optimizer_for_logprob", is_(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, as both of "
-         "NeMo RL's DTensor workers are (_v2 true: Automodel's; false: the first), with tensor "
-         "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, "
-         "no Automodel kwargs but force_hf: true"),
+    Rule("policy.dtensor_cfg.enabled", is_(True), "the trainer is FSDP2 (NeMo RL's DTensor path) unless "
+         "megatron_cfg.enabled is true"),
+    Rule("policy.dtensor_cfg._v2", any_, "NeMo RL's two DTensor workers (_v2 true: Automodel's; false: the first) both "
+         "shard the Hugging Face model with FSDP2, as the FSDP2 trainer does"),
+    Rule("policy.dtensor_cfg.context_parallel_size", is_(1), "context parallelism is not built"),
+    Rule("policy.dtensor_cfg.sequence_parallel", _sequence_parallel, "the FSDP2 trainer's tensor parallelism (the "
+         "model's own TP plan) has no sequence parallelism; at tensor_parallel_size 1 NeMo RL applies none either"),
+    Rule("policy.dtensor_cfg.custom_parallel_plan", is_(None), "custom TP plans are not built: the trainer uses "
+         "the model's own Hugging Face TP plan"),
+    Rule("policy.dtensor_cfg.automodel_kwargs", _automodel, "Automodel's model builder (TE or Liger kernels, "
+         "attention choices, freezing) is not built: only force_hf: true, the Hugging Face class the trainer loads"),
+    Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
+    Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
+         "the Hugging Face MoE layers as they are"),
+    Rule("policy.dtensor_cfg.env_vars", lambda v, _: not v, "environment variables for NeMo RL's DTensor workers: "
+         "set them in the trainer's own environment"),
+    Rule("policy.dtensor_cfg.clear_cache_every_n_steps", any_, "emptying the CUDA cache: memory, not the math"),
     Rule("policy.lora_cfg.use_triton", any_, "a kernel choice (Triton or not); the LoRA math is the same"),
     Rule("policy.draft", off, "draft-model (speculative) training is not built"),
     Rule("policy.sequence_packing.*", any_, "packing order and rounding change speed, not the loss"),
@@ -94,6 +110,12 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.max_model_len", same_as("policy.max_total_sequence_length"),
          "vLLM's context is policy.max_total_sequence_length"),
     Rule("policy.generation.vllm_cfg.use_tqdm", any_, "progress bars only"),
+    Rule("policy.generation.vllm_cfg.enable_prefix_caching", any_,
+         f"{VLLM_ONLY} caches prefixes always; a cache changes speed, not the samples"),
+    Rule("policy.generation.vllm_cfg.env_vars", lambda v, _: not v,
+         "environment variables for NeMo RL's vLLM workers: set them in rollout's own environment"),
+    Rule("policy.generation.vllm_cfg.expose_http_server", is_(False), "NeMo RL's vLLM HTTP server for NeMo-Gym; "
+         "Flywheel's rollout serves its own OpenAI-compatible API to agent environments (services/rollout/endpoint)"),
     Rule("policy.generation.vllm_cfg.use_deep_gemm", is_(False), "DeepGEMM is not wired"),
     Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
     Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
