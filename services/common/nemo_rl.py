@@ -38,6 +38,10 @@ def _sequence_parallel(v: Any, tree: dict) -> bool:
     return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
 
 
+NEMO_GYM = ("NeMo RL's in-process NeMo-Gym rollouts are not mapped; Flywheel runs agents as an environment over "
+            "its OpenAI-compatible API (DESIGN.md, Agents)")
+QUANT = "ModelOpt quantization (quantization-aware training, quantized rollouts) is not built"
+READ_WITH = "read only with {}, which is refused on its own"
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
 VLLM_ONLY = "Flywheel's vLLM engine"
 RULES: tuple[Rule, ...] = (
@@ -152,6 +156,17 @@ RULES: tuple[Rule, ...] = (
     Rule("logger.swanlab_enabled", is_(False), "SwanLab is not wired"),
     Rule("logger.swanlab", when("logger.swanlab_enabled", False), "SwanLab is not wired"),
     Rule("logger.wandb.log_nemo_gym_full_result_tables", is_(False), "NeMo-Gym tables are not built"),
+    Rule("env.should_use_nemo_gym", is_(False), NEMO_GYM),
+    Rule("env.nemo_gym", is_(None), NEMO_GYM),
+    Rule("env.should_mask_flagged_samples", any_, READ_WITH.format("NeMo-Gym rollouts")),
+    Rule("env.should_log_nemo_gym_responses", any_, READ_WITH.format("NeMo-Gym rollouts")),
+    Rule("policy.router_replay", off, "MoE router replay is not built"),
+    Rule("policy.quant_cfg", is_(None), QUANT),
+    Rule("policy.generation.quant_cfg", is_(None), QUANT),
+    Rule("policy.generation.real_quant", lambda v, _: not v, QUANT),
+    *(Rule(k, any_, READ_WITH.format("quantization")) for k in (
+        "policy.quant_*", "policy.disable_modelopt_layer_spec", "policy.generation.real_quant_ignore",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws")),
     Rule("cluster", any_, PLACEMENT),
     Rule("data_plane", any_, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
          "Flywheel's replay (Redis) and gRPC do that job whatever it says"),
