@@ -49,11 +49,12 @@ def megatron_optimizer(opt: dict, problems: list[Problem]) -> dict:
     kind = opt.pop("optimizer", "adam")
     decoupled = opt.pop("decoupled_weight_decay", True)
     kwargs = {"lr": opt.pop("lr", None), "weight_decay": opt.pop("weight_decay", 0.01)}
+    adam = {"betas": [opt.pop("adam_beta1", 0.9), opt.pop("adam_beta2", 0.999)], "eps": opt.pop("adam_eps", 1e-8)}
     if kind == "adam":
-        kwargs |= {"betas": [opt.pop("adam_beta1", 0.9), opt.pop("adam_beta2", 0.999)], "eps": opt.pop("adam_eps", 1e-8)}
+        kwargs |= adam
         return {"name": "torch.optim.AdamW" if decoupled else "torch.optim.Adam", "kwargs": kwargs}
-    problems.append((f"{MEGATRON}.optimizer.optimizer", f"Flywheel cannot honour {kind!r}: the Megatron backend takes "
-                                                 "adam (its SGD passes no momentum)"))
+    problems.append((f"{MEGATRON}.optimizer.optimizer",
+                     f"Flywheel cannot honour {kind!r}: the Megatron backend takes adam (its SGD passes no momentum)"))
     return {"name": "torch.optim.AdamW", "kwargs": kwargs}
 
 
@@ -64,16 +65,20 @@ def schedule(s: dict, lr: float, low: float, steps: int | None, problems: list[P
     out = []
     if warm:
         if not 0 < init <= lr:
-            problems.append((f"{MEGATRON}.scheduler.lr_warmup_init", f"Flywheel cannot honour {init!r}: a warm-up starts "
-                                                              "above 0 and at most at lr (torch's LinearLR)"))
+            problems.append((f"{MEGATRON}.scheduler.lr_warmup_init",
+                             f"Flywheel cannot honour {init!r}: a warm-up starts above 0 and at most at lr (torch's "
+                             "LinearLR)"))
             return []
         out.append(_sched("LinearLR", start_factor=init / lr, end_factor=1.0, total_iters=warm))
     if style == "constant":
         return out
     if style not in ("linear", "cosine") or not decay or decay <= warm:
-        problems.append((f"{MEGATRON}.scheduler.lr_decay_style", f"Flywheel cannot honour {style!r} decay over "
-                                                          f"{decay!r} steps: constant, linear or cosine, to "
-                                                          "lr_decay_iters after the warm-up"))
+        problems.append((f"{MEGATRON}.scheduler.lr_decay_style",
+                         f"Flywheel cannot honour {style!r} decay over {decay!r} steps: constant, linear or cosine, "
+                         "to lr_decay_iters after the warm-up"))
+        return out
+    if not 0 <= low <= lr:
+        problems.append((f"{MEGATRON}.optimizer.min_lr", f"Flywheel cannot honour {low!r}: decay ends between 0 and lr"))
         return out
     span = decay - warm
     if style == "linear":  # LinearLR holds its end factor after total_iters: min_lr from then on

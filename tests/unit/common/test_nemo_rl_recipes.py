@@ -24,7 +24,8 @@ PASSING = 56
 def recipes() -> list[Path]:
     """NeMo RL's GRPO family: grpo, gdpo and prorlv2 at the top level, and those with dapo among the recipes."""
     top = [p for p in CONFIGS.glob("*.yaml") if p.name.startswith(("grpo", "gdpo", "prorlv2"))]
-    llm = [p for p in (CONFIGS / "recipes/llm").glob("*.yaml") if p.name.startswith(("grpo-", "gdpo-", "prorlv2-", "dapo-"))]
+    llm = [p for p in (CONFIGS / "recipes/llm").glob("*.yaml")
+           if p.name.startswith(("grpo-", "gdpo-", "prorlv2-", "dapo-"))]
     return sorted(top + llm)
 
 
