@@ -95,10 +95,16 @@ RULES: tuple[Rule, ...] = (
          "validation samples with the training temperature"),
     Rule("policy.generation.val_top_p", same_as("policy.generation.top_p"), "validation samples with the training top_p"),
     Rule("policy.generation.val_top_k", same_as("policy.generation.top_k"), "validation samples with the training top_k"),
-    Rule("policy.generation.refit_transport", is_(None), "the weight transport is weight_sync.backend"),
+    Rule("policy.generation.refit_transport", lambda v, _: v in (None, "nixl"), "the weight transport is "
+         "weight_sync.backend: gloo, nccl, nixl (NeMo RL's nixl refit) or filesystem"),
     Rule("policy.generation.real_quant_export_cpu_offload", any_, "quantized export is not built"),
-    Rule("policy.generation.refit_cfg", when("policy.generation.refit_transport", None),
-         "the weight transport is weight_sync.backend"),
+    Rule("policy.generation.refit_cfg.nixl.update_weights_bucket_memory_ratio", any_, "buckets are weight_sync.bucket_size_mb"),
+    Rule("policy.generation.refit_cfg.nixl.device", any_, "the trainer's buckets live where its weights are"),
+    Rule("policy.generation.refit_cfg.nixl.backend_name", is_("UCX"), "Flywheel's NIXL agent uses UCX"),
+    Rule("policy.generation.refit_cfg.nixl.backend_init_params", is_(None), "Flywheel's NIXL agent uses UCX with its defaults"),
+    Rule("policy.generation.refit_cfg.nixl.release_after_refit", is_(False), "the trainer keeps its registered buckets between syncs"),
+    Rule("policy.generation.refit_cfg.nixl.shard_expert_weights", is_(False), "expert sharding is not built"),
+    Rule("policy.generation.refit_cfg.sparse", any_, READ_WITH.format("refit_transport vllm_zmq_sparse")),
     Rule("policy.generation.mcore_generation_config", lambda v, t: get(t, "policy.generation.backend") != "megatron",
          "Megatron generation is not built"),
     Rule("policy.generation.colocated.enabled", is_(False), "colocated generation is not built: rollout is its own "
@@ -195,6 +201,8 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     notes: list[Problem] = []
     game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
     megatron.prepare(out, problems, notes)
+    if get(out, "policy.generation.refit_transport") == "nixl":  # NeMo RL's NIXL refit is Flywheel's nixl channel
+        _move(out, "policy.generation.refit_transport", "weight_sync.backend", problems)
     fused_adam(get(out, "policy.optimizer"), problems, notes)
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)

@@ -269,3 +269,15 @@ def test_multiple_dataloader_settings_are_inert_while_use_multiple_dataloader_is
     assert {"data.num_prompts_per_dataloader", "data.custom_dataloader"} <= {key for key, _ in notes}
     with pytest.raises(ConfigError, match="data.use_multiple_dataloader"):
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *extra, "data.use_multiple_dataloader=true"])
+
+
+def test_nemo_rls_nixl_refit_is_the_nixl_weight_channel():
+    """grpo_math_8B_megatron_nixl.yaml's transport; a weight_sync.backend set otherwise conflicts with it."""
+    cfg = load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml", EDITS)
+    assert cfg.weight_sync.backend == "nixl"
+    assert load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).weight_sync.backend == "gloo"
+    with pytest.raises(ConfigError, match="refit_transport: means weight_sync.backend, which is set to 'nccl'"):
+        load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml", [*EDITS, "++weight_sync.backend=nccl"])
+    with pytest.raises(ConfigError, match="refit_cfg.nixl.backend_name: Flywheel cannot honour 'LIBFABRIC'"):
+        load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml",
+                    [*EDITS, "policy.generation.refit_cfg.nixl.backend_name=LIBFABRIC"])
