@@ -1,4 +1,4 @@
-"""NeMo RL's `policy.megatron_cfg` -> Flywheel's keys, and the Megatron side of what NeMo RL's backends read.
+"""NeMo RL's `policy.megatron_cfg` -> the Flywheel keys the trainers read, or a refusal with its reason.
 
     megatron_cfg.enabled false ──▶ every megatron_cfg key inert (one note), as in NeMo RL
     megatron_cfg.enabled true  ──▶ prepare(): optimizer + scheduler -> policy.optimizer / policy.scheduler (torch
@@ -98,6 +98,7 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{M}.optimizer.use_precision_aware_optimizer", any_,
          "with its default float32 states it takes the same step as the plain optimizer"),
     Rule(f"{M}.optimizer.sgd_momentum", any_, _with("optimizer sgd")),
+    Rule(f"{M}.optimizer.min_lr", any_, _with("megatron_cfg.scheduler")),
     Rule(f"{M}.optimizer.optimizer_cpu_offload", is_(False),
          "optimizer offload is not built for Megatron (policy.cpu_offload is the FSDP2 trainer's)"),
     Rule(f"{M}.optimizer.optimizer_offload_fraction", any_, _with("optimizer_cpu_offload")),
