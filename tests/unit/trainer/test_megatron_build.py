@@ -77,9 +77,11 @@ def test_float32_policy_builds_float32_parameters_unwrapped_and_dropout_follows_
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_built_model_holds_every_hf_weight_and_gives_them_back_in_manifest_order(one_rank, arch, tied):
-    p = policy(f"policy.tiny.architecture={arch}", f"policy.hf_config_overrides.tie_word_embeddings={tied}")
+    # head_dim 16, not hidden_size / heads = 32: as Qwen3's checkpoints, whose head_dim is its own key
+    p = policy(f"policy.tiny.architecture={arch}", f"policy.hf_config_overrides.tie_word_embeddings={tied}",
+               "policy.hf_config_overrides.head_dim=16")
     hf = hf_model(p)
-    assert hf.config.tie_word_embeddings is tied
+    assert hf.config.tie_word_embeddings is tied and hf.model.layers[0].self_attn.o_proj.in_features == 32
     _, gpt = build_gpt(hf, p, cpu=True)
     assert (gpt.output_layer.weight is None) is tied  # Megatron multiplies by the embedding itself
     back = megatron_to_hf({n: t for n, t in gpt.state_dict().items() if t is not None}, Shape.of(hf.config, False))
