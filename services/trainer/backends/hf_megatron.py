@@ -52,6 +52,8 @@ class Shape:
     """tie_word_embeddings: lm_head is the embedding."""
     qk_norm: bool = False
     """RMSNorm on each query and key head (Qwen3)."""
+    vocab_size: int = 0
+    """Embedding rows."""
 
     @classmethod
     def of(cls, hf_config, fused_norms: bool = True) -> Shape:
@@ -59,7 +61,8 @@ class Shape:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         return cls(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads, head_dim, fused_norms,
-                   tied=bool(hf_config.tie_word_embeddings), qk_norm=hf_config.model_type == "qwen3")
+                   tied=bool(hf_config.tie_word_embeddings), qk_norm=hf_config.model_type == "qwen3",
+                   vocab_size=hf_config.vocab_size)
 
 
 def _norm_names(s: Shape) -> tuple[str, str]:
@@ -162,6 +165,8 @@ def tp_split(mc: dict[str, Tensor], s: Shape, tp: int) -> list[dict[str, Tensor]
     """The full Megatron state -> one state per tensor-parallel rank."""
     if s.num_kv_heads % tp:
         raise ValueError(f"{s.num_kv_heads} key/value groups do not split over tensor_model_parallel_size {tp}")
+    if s.vocab_size % tp:  # Megatron-LM pads the vocabulary; the HF embedding here is taken as it is
+        raise ValueError(f"a vocabulary of {s.vocab_size} does not split over tensor_model_parallel_size {tp}")
     shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     for name, t in mc.items():
         kind = _kind(name)

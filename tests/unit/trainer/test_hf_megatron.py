@@ -17,8 +17,8 @@ from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatr
 ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
-def hf_model(arch: str, tied: bool = False):
-    config = ARCH[arch](vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+def hf_model(arch: str, tied: bool = False, vocab_size: int = 48):
+    config = ARCH[arch](vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -104,6 +104,13 @@ def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, tied):
     merged = pp_merge([tp_merge(s, shape) for s in shards], shape)
     assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
     assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
+
+
+def test_tensor_parallel_split_refuses_a_vocabulary_it_cannot_divide():
+    model = hf_model("llama", vocab_size=49)
+    shape = Shape.of(model.config)
+    with pytest.raises(ValueError, match="vocabulary of 49"):
+        tp_split(hf_to_megatron(model.state_dict(), shape), shape, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -1,6 +1,6 @@
 """Building the Megatron-Core GPTModel on CPU with gloo, as the Megatron backend does on GPU: the local layer spec
 (no Transformer Engine here), the TransformerConfig read back from the built model (dropout, dtypes, pipeline
-dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 on two ranks, RoPE against
+dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 and TP = 2 on two ranks, RoPE against
 HF's own, and the checkpoint directory. The forward pass, the training step and megatron-core's sharded save
 need CUDA (tests/gpu/)."""
 
@@ -20,7 +20,7 @@ from services.common.infra import free_port  # noqa: E402
 from services.common.modeling import load_policy  # noqa: E402
 from services.common.weights.manifest import Manifest  # noqa: E402
 from services.rollout.engines.vllm import hf_manifest  # noqa: E402
-from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge  # noqa: E402
+from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge, tp_merge  # noqa: E402
 from services.trainer.backends.megatron import make_checkpoint_dir  # noqa: E402
 from services.trainer.backends.megatron_model import build_gpt, rope_kwargs, te_available  # noqa: E402
 
@@ -99,38 +99,51 @@ def test_rope_base_is_the_hf_models(one_rank):
     assert torch.allclose(gpt.rotary_pos_emb.inv_freq.float(), hf.model.rotary_emb.inv_freq.float())
 
 
-def _pipeline_rank(rank: int, hf_state: dict, out: str) -> None:
+def _parallel_rank(rank: int, tp: int, pp: int, hf_state: dict, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(1, 2)
+    parallel_state.initialize_model_parallel(tp, pp)
     # Where the backend's save writes (checkpoint.py renames tmp_step_3 once every rank is done): rank 0 makes
     # it, and no rank goes on to megatron's writer, which refuses a missing directory, before it exists.
     target = Path(out).parent / "tmp_step_3" / "policy"
     make_checkpoint_dir(target)
     assert target.is_dir()
-    p = policy("policy.precision=bfloat16", "policy.megatron_cfg.pipeline_model_parallel_size=2",
-               "policy.tiny.num_hidden_layers=4")
+    p = parallel_policy(tp, pp)
     hf = hf_model(p)
     hf.load_state_dict(hf_state)
     _, gpt = build_gpt(hf, p, cpu=True)
     local = {n: t for n, t in gpt.state_dict().items() if t is not None and not n.endswith("_extra_state")}
-    stages = [None, None]
-    dist.all_gather_object(stages, local)
+    ranks = [None, None]  # rank = pp_rank * tp + tp_rank (initialize_model_parallel's order)
+    dist.all_gather_object(ranks, local)
     if rank == 0:
-        back = megatron_to_hf(pp_merge(stages, Shape.of(hf.config, False)), Shape.of(hf.config, False))
+        shape = Shape.of(hf.config, False)
+        stages = [tp_merge(ranks[stage * tp:(stage + 1) * tp], shape) for stage in range(pp)]
+        back = megatron_to_hf(pp_merge(stages, shape), shape)
         torch.save({"back": back, "layers": len(gpt.decoder.layers), "pipeline_dtype": gpt.config.pipeline_dtype,
-                    "stage0": sorted(stages[0]), "stage1": sorted(stages[1])}, out)
+                    "names": [sorted(r) for r in ranks],
+                    "qkv_rows": [r["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] for r in ranks]},
+                   out)
 
 
-def test_pipeline_parallel_2_builds_on_two_gloo_ranks_gives_every_weight_back_and_makes_its_checkpoint_dir(tmp_path):
-    """Untied only: a tied model's last stage moves its output layer to CUDA in GPTModel's constructor
-    (setup_embeddings_and_output_layer), so PP = 2 tied is left to tests/gpu/."""
-    p = policy("policy.precision=bfloat16", "policy.tiny.num_hidden_layers=4")
-    hf = hf_model(p)
-    run_ranks(2, _pipeline_rank, hf.state_dict(), str(tmp_path / "out.pt"))
+def parallel_policy(tp: int, pp: int):
+    return policy("policy.precision=bfloat16", "policy.tiny.num_hidden_layers=4", "policy.tiny.num_attention_heads=4",
+                  f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
+                  f"policy.megatron_cfg.pipeline_model_parallel_size={pp}")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
+def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_checkpoint_dir(tmp_path, tp, pp):
+    """Untied only: a tied model's last pipeline stage moves its output layer to CUDA in GPTModel's
+    constructor (setup_embeddings_and_output_layer), so PP = 2 tied is left to tests/gpu/."""
+    hf = hf_model(parallel_policy(tp, pp))
+    run_ranks(2, _parallel_rank, tp, pp, hf.state_dict(), str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt")
-    assert got["layers"] == 2 and got["pipeline_dtype"] == torch.bfloat16
-    assert "embedding.word_embeddings.weight" in got["stage0"] and "output_layer.weight" not in got["stage0"]
-    assert "output_layer.weight" in got["stage1"] and "embedding.word_embeddings.weight" not in got["stage1"]
+    assert got["layers"] == 4 // pp and got["pipeline_dtype"] == torch.bfloat16
+    first, last = got["names"]
+    if pp == 2:
+        assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+        assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+    else:  # 4 heads, 4 groups of (1 query + key + value) heads of 16 rows, half on each rank
+        assert first == last and got["qkv_rows"] == [2 * 3 * 16] * 2
     hf = hf.to(torch.bfloat16)  # as the bf16 GPTModel holds it
     assert Manifest.of(got["back"]) == hf_manifest(hf)
     assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
