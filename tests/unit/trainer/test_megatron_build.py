@@ -21,7 +21,7 @@ from services.common.modeling import load_policy  # noqa: E402
 from services.common.weights.manifest import Manifest  # noqa: E402
 from services.rollout.engines.vllm import hf_manifest  # noqa: E402
 from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge, tp_merge  # noqa: E402
-from services.trainer.backends.megatron import make_checkpoint_dir  # noqa: E402
+from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
 from services.trainer.backends.megatron_model import build_gpt, rope_kwargs, te_available  # noqa: E402
 
 
@@ -147,3 +147,10 @@ def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_c
     hf = hf.to(torch.bfloat16)  # as the bf16 GPTModel holds it
     assert Manifest.of(got["back"]) == hf_manifest(hf)
     assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
+
+
+def test_micro_batches_split_each_data_parallel_ranks_rows_and_pipelines_refuse_a_short_one():
+    assert micro_batches(10, 1, 2, 2, pp=1) == [[1, 3], [5, 7], [9]]
+    assert micro_batches(8, 0, 2, 2, pp=2) == [[0, 2], [4, 6]]
+    with pytest.raises(ValueError, match="exactly train_micro_batch_size 2 rows; .* has 5 of the batch's 10"):
+        micro_batches(10, 1, 2, 2, pp=2)
