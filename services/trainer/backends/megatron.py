@@ -102,10 +102,9 @@ class MegatronBackend(TrainingBackend):
         return -vocab_parallel_cross_entropy((logits[:, :-1].float() / t).contiguous(), targets.cuda())
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
-        mb = self.cfg.policy.train_micro_batch_size
         dp = self.ps.get_data_parallel_world_size()
-        mine = list(range(self.ps.get_data_parallel_rank(), len(b), dp))
-        rows = [mine[i:i + mb] for i in range(0, len(mine), mb)]
+        rows = micro_batches(len(b), self.ps.get_data_parallel_rank(), dp, self.cfg.policy.train_micro_batch_size,
+                             self.pp)
         mask = b.token_mask * b.sample_mask[:, None]
         totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
                       global_valid_seqs=max(1.0, b.sample_mask.sum().item()))
@@ -158,6 +157,16 @@ class MegatronBackend(TrainingBackend):
         self.hf_config.save_pretrained(directory)
         self.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+
+
+def micro_batches(n: int, dp_rank: int, dp: int, size: int, pp: int) -> list[list[int]]:
+    """This data-parallel rank's rows of an n-row batch (every dp-th), in micro-batches of `size` rows. With
+    pipeline stages every micro-batch must hold `size` rows: the schedule sends activations of that fixed shape."""
+    mine = list(range(dp_rank, n, dp))
+    if pp > 1 and len(mine) % size:
+        raise ValueError(f"pipeline_model_parallel_size {pp} needs micro-batches of exactly train_micro_batch_size "
+                         f"{size} rows; this data-parallel rank has {len(mine)} of the batch's {n}")
+    return [mine[i:i + size] for i in range(0, len(mine), size)]
 
 
 def save_sharded(gpt: torch.nn.Module, target: Path) -> None:

@@ -36,8 +36,8 @@ def te_only(m: MegatronConfig) -> list[str]:
     reasons = []
     if getattr(m, "context_parallel_size", 1) > 1:
         reasons.append("context_parallel_size > 1 (the local spec's DotProductAttention has no context parallelism)")
-    fp8 = getattr(m, "fp8_cfg", None)
-    if fp8 is not None and getattr(fp8, "enabled", False):
+    fp8 = getattr(m, "fp8_cfg", None) or {}
+    if fp8.get("enabled") if isinstance(fp8, dict) else getattr(fp8, "enabled", False):
         reasons.append("fp8_cfg.enabled (FP8 GEMMs are Transformer Engine's)")
     return reasons
 

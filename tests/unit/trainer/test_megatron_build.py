@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import LlamaConfig
 from trainer_harness import run_ranks
 
 pytest.importorskip("megatron.core")
@@ -22,7 +23,8 @@ from services.common.weights.manifest import Manifest  # noqa: E402
 from services.rollout.engines.vllm import hf_manifest  # noqa: E402
 from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge, tp_merge  # noqa: E402
 from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
-from services.trainer.backends.megatron_model import build_gpt, rope_kwargs, te_available  # noqa: E402
+from services.trainer.backends.megatron_model import (build_gpt, check_architecture, rope_kwargs,  # noqa: E402
+                                                      te_available)
 
 
 def policy(*overrides: str):
@@ -154,3 +156,16 @@ def test_micro_batches_split_each_data_parallel_ranks_rows_and_pipelines_refuse_
     assert micro_batches(8, 0, 2, 2, pp=2) == [[0, 2], [4, 6]]
     with pytest.raises(ValueError, match="exactly train_micro_batch_size 2 rows; .* has 5 of the batch's 10"):
         micro_batches(10, 1, 2, 2, pp=2)
+
+
+def test_what_the_built_model_would_compute_differently_from_hf_is_refused():
+    llama31 = dict(rope_type="llama3", rope_theta=5e5, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    assert rope_kwargs(LlamaConfig(rope_parameters=llama31)) == dict(
+        rotary_base=5e5, rope_scaling=True, rope_scaling_factor=32.0)
+    with pytest.raises(ValueError, match="llama3 scaling only"):  # megatron fixes the three at Llama 3.1's
+        rope_kwargs(LlamaConfig(rope_parameters=llama31 | dict(high_freq_factor=2.0)))
+    with pytest.raises(ValueError, match="llama3 scaling only"):
+        rope_kwargs(LlamaConfig(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))
+    with pytest.raises(ValueError, match="o_proj and MLP biases"):
+        check_architecture(LlamaConfig(attention_bias=True))
