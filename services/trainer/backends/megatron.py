@@ -3,9 +3,10 @@
 Verified on CPU only: megatron-core 0.16.1 needs CUDA for a forward pass and no GPU was available
 when this was written. What runs on CPU is tested there: the weight conversion (hf_megatron.py, bit
 for bit, and in the rollout manifest's order, tied and untied), and building the model
-(megatron_model.py: layer spec, TransformerConfig, PP = 2 on two gloo ranks, the weights loaded)
-and its sharded checkpoint. The training step, the DDP wrapper, the optimizer and the gathers in
-full_state_dict have not executed; tests/gpu/ holds the check for them (docs/trainer.md).
+(megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the
+weights loaded and gathered back) and its checkpoint directory. The training step, the DDP wrapper,
+the optimizer, dist_checkpointing's save and load, and the gathers on NCCL have not executed;
+tests/gpu/ holds the check for them (docs/trainer.md).
 
 Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
 are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
@@ -26,8 +27,8 @@ from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss
 from services.trainer.backends import TrainingBackend
-from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge, tp_merge
-from services.trainer.backends.megatron_model import build_gpt, te_available
+from services.trainer.backends.hf_megatron import Shape
+from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
 
@@ -130,18 +131,9 @@ class MegatronBackend(TrainingBackend):
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Gather tensor shards, then pipeline stages, to global rank 0; convert to HF names there."""
-        import torch.distributed as dist
-
-        local = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items()
-                 if v is not None and not k.endswith("_extra_state")}
-        shards = [None] * self.tp
-        dist.all_gather_object(shards, local, group=self.ps.get_tensor_model_parallel_group())
-        stages = [None] * self.pp
-        dist.all_gather_object(stages, tp_merge(shards, self.shape),
-                               group=self.ps.get_pipeline_model_parallel_group())
+        hf = gather_hf(self.gpt, self.shape)
         if self.rank != 0:
             return {}
-        hf = megatron_to_hf(pp_merge(stages, self.shape), self.shape)
         if list(hf) != self.hf_names:  # the rollout would refuse the manifest's digest
             raise RuntimeError(f"Megatron -> HF names differ from the HF model's: "
                                f"{sorted(set(hf) ^ set(self.hf_names)) or 'same names, another order'}")

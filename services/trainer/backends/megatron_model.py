@@ -4,6 +4,7 @@
     layer_spec: Transformer Engine's modules when transformer_engine imports, else Megatron-Core's own
     build_gpt: GPTModel for this rank's pipeline stage ◀── its TP/PP shard of the HF weights (hf_megatron.py)
                └─ Float16Module around it under bf16/fp16, as Megatron-LM's training does
+    gather_hf: every rank's shard ──▶ the HF state dict in the rollout manifest's order
 
 Everything here runs on CPU as well (`cpu=True`: use_cpu_initialization) with gloo process groups, and is tested
 there (tests/unit/trainer/test_megatron_build.py); the forward pass and the DDP wrapper need CUDA.
@@ -16,7 +17,8 @@ import logging
 import torch
 
 from services.common.config import MegatronConfig, PolicyConfig
-from services.trainer.backends.hf_megatron import Shape, hf_to_megatron, pp_split, tp_split
+from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
+                                                   tp_merge, tp_split)
 
 log = logging.getLogger("flywheel.trainer.megatron")
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -139,3 +141,20 @@ def load_shard(gpt: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: S
     missing, unexpected = gpt.load_state_dict(shards[ps.get_tensor_model_parallel_rank()], strict=False)
     if unexpected or any(not n.endswith("_extra_state") for n in missing):
         raise RuntimeError(f"HF -> Megatron weights do not fit: missing {missing}, unexpected {unexpected}")
+
+
+def gather_hf(gpt: torch.nn.Module, shape: Shape) -> dict[str, torch.Tensor]:
+    """Collective over this rank's tensor and pipeline groups: every shard of `gpt`, as HF weights (on the host,
+    names in HF's order), on the first rank of the pipeline group; {} elsewhere."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    local = {k: v.detach().cpu() for k, v in gpt.state_dict().items()
+             if v is not None and not k.endswith("_extra_state")}
+    shards = [None] * ps.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(shards, local, group=ps.get_tensor_model_parallel_group())
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, tp_merge(shards, shape), group=ps.get_pipeline_model_parallel_group())
+    if ps.get_pipeline_model_parallel_rank() or ps.get_tensor_model_parallel_rank():
+        return {}
+    return megatron_to_hf(pp_merge(stages, shape), shape)

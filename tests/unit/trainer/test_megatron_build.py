@@ -21,10 +21,10 @@ from services.common.infra import free_port  # noqa: E402
 from services.common.modeling import load_policy  # noqa: E402
 from services.common.weights.manifest import Manifest  # noqa: E402
 from services.rollout.engines.vllm import hf_manifest  # noqa: E402
-from services.trainer.backends.hf_megatron import Shape, megatron_to_hf, pp_merge, tp_merge  # noqa: E402
+from services.trainer.backends.hf_megatron import Shape, megatron_to_hf  # noqa: E402
 from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
-from services.trainer.backends.megatron_model import (build_gpt, check_architecture, rope_kwargs,  # noqa: E402
-                                                      te_available)
+from services.trainer.backends.megatron_model import (build_gpt, check_architecture, gather_hf,  # noqa: E402
+                                                      rope_kwargs, te_available)
 
 
 def policy(*overrides: str):
@@ -113,17 +113,15 @@ def _parallel_rank(rank: int, tp: int, pp: int, hf_state: dict, out: str) -> Non
     hf = hf_model(p)
     hf.load_state_dict(hf_state)
     _, gpt = build_gpt(hf, p, cpu=True)
-    local = {n: t for n, t in gpt.state_dict().items() if t is not None and not n.endswith("_extra_state")}
-    ranks = [None, None]  # rank = pp_rank * tp + tp_rank (initialize_model_parallel's order)
-    dist.all_gather_object(ranks, local)
+    shards = [None, None]
+    dist.all_gather_object(shards, sorted(gpt.state_dict()))
+    back = gather_hf(gpt, Shape.of(hf.config, False))  # what the backend publishes from
     if rank == 0:
-        shape = Shape.of(hf.config, False)
-        stages = [tp_merge(ranks[stage * tp:(stage + 1) * tp], shape) for stage in range(pp)]
-        back = megatron_to_hf(pp_merge(stages, shape), shape)
         torch.save({"back": back, "layers": len(gpt.decoder.layers), "pipeline_dtype": gpt.config.pipeline_dtype,
-                    "names": [sorted(r) for r in ranks],
-                    "qkv_rows": [r["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] for r in ranks]},
+                    "names": shards, "qkv_rows": gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]},
                    out)
+    else:
+        assert back == {}
 
 
 def parallel_policy(tp: int, pp: int):
@@ -145,7 +143,7 @@ def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_c
         assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
         assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
     else:  # 4 heads, 4 groups of (1 query + key + value) heads of 16 rows, half on each rank
-        assert first == last and got["qkv_rows"] == [2 * 3 * 16] * 2
+        assert first == last and got["qkv_rows"] == 2 * 3 * 16
     hf = hf.to(torch.bfloat16)  # as the bf16 GPTModel holds it
     assert Manifest.of(got["back"]) == hf_manifest(hf)
     assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
