@@ -1,8 +1,8 @@
 """Building the Megatron-Core GPTModel on CPU with gloo, as the Megatron backend does on GPU: the local layer spec
 (no Transformer Engine here), the TransformerConfig read back from the built model (dropout, dtypes, pipeline
-dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 and TP = 2 on two ranks, RoPE against
-HF's own, and the checkpoint directory. The forward pass, the training step and megatron-core's sharded save
-need CUDA (tests/gpu/)."""
+dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 and TP = 2 on two ranks,
+RoPE against HF's own, and the checkpoint directory. The forward pass, the training step and megatron-core's
+sharded save need CUDA (tests/gpu/)."""
 
 import os
 from pathlib import Path
