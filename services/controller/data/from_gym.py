@@ -1,7 +1,8 @@
 """`flywheel data from-gym`: NeMo Gym rollouts -> an SFT or a DPO dataset that data.train reads.
 
-    rollouts.jsonl ──(one rollout a line)──▶ Rollout(prompt, completion, tools, reward) ──▶ sft: reward >= R
-                                                                                      └──▶ dpo: per prompt, best vs worst, gap >= G
+    rollouts.jsonl ──(a rollout a line)──▶ Rollout(prompt, episode, tools, reward) ──▶ sft: reward >= R
+                                                                                 └──▶ dpo: per prompt, best vs
+                                                                                      worst, their gap >= G
 
 A line of rollouts.jsonl is what NeMo Gym's `ng_collect_rollouts` / `gym eval run` writes for one
 rollout (nemo_gym/rollout_collection.py): `responses_create_params` (input, instructions, tools),
@@ -117,9 +118,9 @@ def dpo_rows(rollouts: list[Rollout], min_gap: float) -> tuple[list[dict], list[
         worst = min(group, key=lambda r: r.reward)
         if len(group) < 2:
             drops.append(Drop(where=where, reason="the only rollout of its prompt"))
-        elif best.reward - worst.reward < min_gap:
-            drops.append(Drop(where=where, reason=f"reward gap below --min-gap {min_gap:g} ({best.reward - worst.reward:g}, "
-                                                  f"{len(group)} rollouts of one prompt)"))
+        elif (gap := best.reward - worst.reward) < min_gap:
+            drops.append(Drop(where=where, reason=f"reward gap below --min-gap {min_gap:g} ({gap:g}, {len(group)} "
+                                                  "rollouts of one prompt)"))
         else:
             try:
                 rows.append(_pair(best, worst))

@@ -109,8 +109,9 @@ def load_offline(cfg: FlywheelConfig, kind: Kind) -> LoadedOffline:
     """data.train and data.validation as `kind`; DataError listing every dataset that failed."""
     problems: list[str] = []
     out = LoadedOffline(train=[], validation=[])
-    for group, key, ds in [*(("train", k, d) for k, d in named_sets(cfg.data.train_sets(), "data.train")),
-                           *(("validation", k, d) for k, d in named_sets(cfg.data.validation_sets(), "data.validation"))]:
+    entries = [*(("train", k, d) for k, d in named_sets(cfg.data.train_sets(), "data.train")),
+               *(("validation", k, d) for k, d in named_sets(cfg.data.validation_sets(), "data.validation"))]
+    for group, key, ds in entries:
         try:
             loaded = load_offline_set(key, ds, kind)
         except DataError as err:

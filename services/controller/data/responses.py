@@ -59,7 +59,9 @@ def chat_from_items(items: object, what: str) -> list[dict]:
         if not isinstance(item, dict):
             raise Dropped(f"an item that is not an object ({what}[{i}])")
         kind = item.get("type") or ("message" if "role" in item else None)
-        if kind in ("reasoning", "function_call") or (kind == "message" and item.get("role") == "assistant"):
+        if kind == "message" and not item.get("role"):
+            item = {**item, "role": "assistant"}  # an output message's role defaults to assistant (openai_utils.py)
+        if kind in ("reasoning", "function_call") or (kind == "message" and item["role"] == "assistant"):
             turn = turn or {"role": "assistant", "content": ""}
             _merge(turn, kind, item, f"{what}[{i}]")
             continue
