@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.controller.data.offline import (Dropped, OfflineKeys, preference_example, sft_example)
+from services.controller.data.offline import Dropped, OfflineKeys, preference_example, sft_example
 from services.controller.data.offline_load import Drop, reason_kind
 from services.controller.data.responses import chat_from_items, chat_tools, prompt_messages
 from services.controller.data.rows import RowError, Templates
