@@ -4,9 +4,10 @@ Verified on CPU only: megatron-core 0.16.1 needs CUDA for a forward pass and no 
 when this was written. What runs on CPU is tested there: the weight conversion (hf_megatron.py, bit
 for bit, and in the rollout manifest's order, tied and untied), and building the model
 (megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the
-weights loaded and gathered back) and its checkpoint directory. The training step, the DDP wrapper,
-the optimizer, dist_checkpointing's save and load, and the gathers on NCCL have not executed;
-tests/gpu/ holds the check for them (docs/trainer.md).
+weights loaded and gathered back) and its checkpoint directory. The schedule and per-group
+weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). The
+training step, the DDP wrapper, megatron's optimizer wrappers, dist_checkpointing's save and load, and the gathers on
+NCCL have not executed; no GPU test in this tree runs them yet (docs/trainer.md).
 
 Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
 are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
@@ -144,6 +145,10 @@ class MegatronBackend(TrainingBackend):
 
     def load(self, directory: Path) -> None:
         load_sharded(self.gpt, directory / "policy")
+        # Under bf16 the optimizer holds fp32 copies made at build; without this its next step would copy them back
+        # over the loaded weights (megatron's docstring: call it when loading a model without its optimizer).
+        # Untested: it needs CUDA.
+        self.optimizer.reload_model_params()
         restore(self.torch_optimizers, self.schedulers, torch.load(directory / "scheduler.pt", weights_only=True))
 
     def hf_files(self, directory: Path) -> None:
