@@ -4,9 +4,10 @@ Verified on CPU only: megatron-core 0.16.1 needs CUDA for a forward pass and no 
 when this was written. What runs on CPU is tested there: the weight conversion (hf_megatron.py, bit
 for bit, and in the rollout manifest's order, tied and untied), and building the model
 (megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the
-weights loaded and gathered back) and its checkpoint directory. The training step, the DDP wrapper,
-the optimizer, dist_checkpointing's save and load, and the gathers on NCCL have not executed;
-tests/gpu/ holds the check for them (docs/trainer.md).
+weights loaded and gathered back) and its checkpoint directory. The schedule and per-group
+weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). The
+training step, the DDP wrapper, megatron's optimizer wrappers, dist_checkpointing's save and load, and the gathers on
+NCCL have not executed; no GPU test in this tree runs them yet (docs/trainer.md).
 
 Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
 are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
@@ -31,6 +34,7 @@ from services.trainer.backends.hf_megatron import Shape
 from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
+from services.trainer.optim import build_scheduler
 
 
 class MegatronBackend(TrainingBackend):
@@ -52,6 +56,8 @@ class MegatronBackend(TrainingBackend):
         self.shape = Shape.of(hf.config, fused_norms=te_available())
         self.model = self._build(hf)
         self.optimizer = self._optimizer()
+        self.torch_optimizers = torch_optimizers(self.optimizer)
+        self.schedulers = schedule(self.torch_optimizers, cfg.policy.scheduler)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss  # fp16's loss scale; 1 otherwise
 
     def _build(self, hf) -> torch.nn.Module:
@@ -67,19 +73,9 @@ class MegatronBackend(TrainingBackend):
             grad_reduce_in_fp32=True), module=module)
 
     def _optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
-        o = self.cfg.policy.optimizer
-        name = o.name.rsplit(".", 1)[-1].lower()
-        if name not in ("adamw", "adam", "sgd"):
-            raise ValueError(f"the Megatron backend supports AdamW, Adam and SGD, not {o.name}")
-        k = o.kwargs
-        betas = k.get("betas", (0.9, 0.999))
-        return get_megatron_optimizer(OptimizerConfig(
-            optimizer="sgd" if name == "sgd" else "adam", lr=k["lr"], weight_decay=k.get("weight_decay", 0.0),
-            adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=k.get("eps", 1e-8),
-            clip_grad=self.cfg.policy.max_grad_norm or 0.0, bf16=self.tconfig.bf16, fp16=self.tconfig.fp16,
-            params_dtype=self.tconfig.params_dtype), [self.model])
+        return get_megatron_optimizer(optimizer_config(self.cfg, self.tconfig), [self.model])
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -125,7 +121,10 @@ class MegatronBackend(TrainingBackend):
         reports = self._run(b, rows, loss_of)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
-        return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
+        for s in self.schedulers:  # once per trainer step, after it, as the FSDP2 backend and NeMo RL step it
+            s.step()
+        return metrics
 
     # ---- weights and checkpoints ---------------------------------------------------------------
 
@@ -141,14 +140,64 @@ class MegatronBackend(TrainingBackend):
 
     def save(self, directory: Path) -> None:
         save_sharded(self.gpt, directory / "policy")
+        if self.rank == 0:  # every rank runs the same schedule
+            torch.save([s.state_dict() for s in self.schedulers], directory / "scheduler.pt")
 
     def load(self, directory: Path) -> None:
         load_sharded(self.gpt, directory / "policy")
+        # Under bf16 the optimizer holds fp32 copies made at build; without this its next step would copy them back
+        # over the loaded weights (megatron's docstring: call it when loading a model without its optimizer).
+        # Untested: it needs CUDA.
+        self.optimizer.reload_model_params()
+        restore(self.torch_optimizers, self.schedulers, torch.load(directory / "scheduler.pt", weights_only=True))
 
     def hf_files(self, directory: Path) -> None:
         self.hf_config.save_pretrained(directory)
         self.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+
+
+def optimizer_config(cfg: FlywheelConfig, tconfig):
+    """Megatron's OptimizerConfig for policy.optimizer (the torch name nemo_rl_megatron.py maps megatron_cfg's
+    optimizer onto): adam runs torch's AdamW, or Adam with decoupled_weight_decay off."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = cfg.policy.optimizer
+    name = o.name.rsplit(".", 1)[-1].lower()
+    if name not in ("adamw", "adam", "sgd"):
+        raise ValueError(f"the Megatron backend supports AdamW, Adam and SGD, not {o.name}")
+    k = o.kwargs
+    betas = k.get("betas", (0.9, 0.999))
+    return OptimizerConfig(
+        optimizer="sgd" if name == "sgd" else "adam", decoupled_weight_decay=name != "adam", lr=k["lr"],
+        weight_decay=k.get("weight_decay", 0.0), adam_beta1=betas[0], adam_beta2=betas[1],
+        adam_eps=k.get("eps", 1e-8), clip_grad=cfg.policy.max_grad_norm or 0.0, bf16=tconfig.bf16,
+        fp16=tconfig.fp16, params_dtype=tconfig.params_dtype)
+
+
+def torch_optimizers(optimizer) -> list[Optimizer]:
+    """The torch optimizers inside megatron's (a ChainedOptimizer of one per dense / expert part, each wrapping
+    one): their param groups are the ones megatron's own OptimizerParamScheduler would set lr and decay on."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def schedule(optimizers: list[Optimizer], entries: list) -> list[LRScheduler]:
+    """policy.scheduler (NeMo RL's Megatron schedule as torch schedulers, nemo_rl_megatron.py) on each optimizer,
+    and megatron's per-group weight decay: its groups mark biases and 1-d weights (norms) wd_mult 0, which only
+    megatron's scheduler, not run here, applies. The decay itself is constant: nemo_rl_megatron.py refuses more."""
+    for o in optimizers:
+        for g in o.param_groups:
+            g["weight_decay"] *= g.get("wd_mult", 1.0)
+    return [build_scheduler(o, entries) for o in optimizers]
+
+
+def restore(optimizers: list[Optimizer], schedulers: list[LRScheduler], states: list[dict]) -> None:
+    """Resume the schedule saved with the checkpoint. The optimizer's own state is not saved (docs/trainer.md), so
+    the groups' lr, from which torch's schedulers take each next step, is set from the schedule here."""
+    for o, s, state in zip(optimizers, schedulers, states, strict=True):
+        s.load_state_dict(state)
+        for g, lr in zip(o.param_groups, s.get_last_lr(), strict=True):
+            g["lr"] = lr
 
 
 def micro_batches(n: int, dp_rank: int, dp: int, size: int, pp: int) -> list[list[int]]:

@@ -85,7 +85,8 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
     """TransformerConfig of HF config `c` under `policy`: its dims; dropout from the HF config (0 for Llama and
     Qwen: Megatron's own default is 0.1, which HF models never trained with; policy.hf_config_overrides can set
     attention_dropout / hidden_dropout); parameters, pipeline messages and the bf16/fp16 flags in
-    policy.precision."""
+    policy.precision; policy.activation_checkpointing recomputes every layer in the backward, as NeMo RL's Megatron
+    worker sets it (full granularity, uniform, one layer per unit)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, s, dtype = policy.megatron_cfg, Shape.of(c), model_dtype(policy)
@@ -103,7 +104,12 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=cpu)
+        use_cpu_initialization=cpu, **recompute(policy.activation_checkpointing))
+
+
+def recompute(on: bool) -> dict:
+    """TransformerConfig's recompute fields: whole layers, each its own unit (memory for a second forward)."""
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if on else {}
 
 
 def build_gpt(hf, policy: PolicyConfig, cpu: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:

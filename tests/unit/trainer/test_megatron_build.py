@@ -91,6 +91,17 @@ def test_built_model_holds_every_hf_weight_and_gives_them_back_in_manifest_order
     assert all(torch.equal(back[n], t) for n, t in hf.state_dict().items())
 
 
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_activation_checkpointing_recomputes_every_layer_as_nemo_rls_megatron_worker_sets_it(one_rank, on):
+    """NeMo RL's worker, for megatron_cfg.activation_checkpointing: granularity full, method uniform, 1 layer.
+    Only the built config is checked: the recomputing forward and backward need CUDA (tests/gpu/)."""
+    p = policy(f"policy.activation_checkpointing={on}")
+    _, gpt = build_gpt(hf_model(p), p, cpu=True)
+    for c in (gpt.config, gpt.decoder.config):  # the block reads its own reference when it runs forward
+        got = (c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
+        assert got == (("full", "uniform", 1) if on else (None, None, None))
+
+
 def test_rope_base_is_the_hf_models(one_rank):
     """transformers 5 keeps rope_theta in rope_parameters; Qwen2.5 uses 1e6, not Megatron's default 1e4."""
     p = policy("policy.tiny.architecture=qwen2",
