@@ -57,6 +57,8 @@ class Generator:
                        budget: int | None, n: int) -> Result:
         """`n` choices of `prompt_ids`, recorded in the episode (chat calls add their turns with `turns`)."""
         limit = episode.limits.max_sequence_tokens
+        if not prompt_ids:
+            raise bad_request("the prompt has no tokens", param="prompt")
         if len(prompt_ids) >= limit:
             raise context_length_exceeded(len(prompt_ids), limit)
         if episode.calls >= episode.limits.max_calls:
