@@ -3,6 +3,12 @@ and the `openai` SDK as the agent's client. The trainer's logprobs come from its
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import pytest_asyncio
 import torch
@@ -16,6 +22,7 @@ from services.rollout.endpoint.server import EndpointServer
 from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+EXAMPLE = Path(__file__).parents[3] / "examples" / "agent_calculator.py"
 PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error
 LIMIT = 160
 # The tiny template, with assistant turns closed by EOS as real chat templates close them (<|im_end|>, <|eot_id|>),
@@ -180,3 +187,18 @@ async def test_models_lists_the_policy(served):
     endpoint, _, _ = served
     _, client = agent(endpoint)
     assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+
+
+async def test_the_example_agent_runs_an_episode_that_trains_as_one_sample(served):
+    endpoint, _, model = served
+    key, token, base_url = endpoint.open_episode()
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": token}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), "add 2 3", env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert len([m for m in json.loads(out) if m["role"] == "assistant"]) == 3
+    trajectory = endpoint.close_episode(key)
+    [sample] = trajectory.samples
+    assert trajectory.calls == 3 and sample.calls == 3
+    assert_trainer_agrees(model, sample)
