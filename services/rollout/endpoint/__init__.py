@@ -1,4 +1,4 @@
-"""The OpenAI-compatible model API a rollout worker serves to agents, and the recording that makes it trainable.
+"""The OpenAI-compatible model API a rollout worker serves to agents, and the recording that trains on it.
 
     server.py       EndpointServer: uvicorn on the worker's loop; open_episode / close_episode for the worker
     app.py          routes, the episode check, error shapes          errors.py   OpenAI's error body

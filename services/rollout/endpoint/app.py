@@ -47,7 +47,8 @@ def make_app(sessions: Sessions, chat: chat_route.Chat, completions: completions
         except Exception:  # noqa: BLE001 - one call's failure is its answer, never the server's end
             status = 500
             log.exception("endpoint %s call failed", route)
-            return JSONResponse(status_code=500, content=body("the server failed to answer this call", "server_error"))
+            failed = body("the server failed to answer this call", "server_error")
+            return JSONResponse(status_code=500, content=failed)
         finally:
             observe(route, status, started)
 
@@ -64,7 +65,8 @@ def make_app(sessions: Sessions, chat: chat_route.Chat, completions: completions
         completion = await completions.answer(episode, req)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(completions_route.stream(completion, include), media_type="text/event-stream")
+            events = completions_route.stream(completion, include)
+            return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(completion)
 
     async def on_responses(episode: Episode, request: Request):
@@ -106,7 +108,8 @@ async def read_json(request: Request, limit: int):
     async for chunk in request.stream():
         data += chunk
         if len(data) > limit:
-            raise ApiError(413, f"request body over {limit} bytes (security.max_message_mb)", code="body_too_large")
+            raise ApiError(413, f"request body over {limit} bytes (security.max_message_mb)",
+                           code="body_too_large")
     try:
         return json.loads(data)
     except (ValueError, RecursionError):

@@ -1,10 +1,11 @@
 """POST .../v1/chat/completions: messages (tool calls and tool results included) and tools through the chat
 template, the engine's choices back as OpenAI's ChatCompletion, or as its chunk stream.
 
-With `return_token_ids` the answer carries vLLM's fields (top-level `prompt_token_ids`, per choice `token_ids`),
-NeMo Gym's on each message (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`) and Flywheel's per
-choice `policy_versions` (the policy version that sampled each token). The engines return whole completions, so a
-stream carries each choice's text in one delta: it has the shape of a stream, not earlier tokens.
+With `return_token_ids` the answer carries vLLM's fields (top-level `prompt_token_ids`, per choice
+`token_ids`), NeMo Gym's on each message (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`)
+and Flywheel's per choice `policy_versions` (the policy version that sampled each token). The engines return
+whole completions, so a stream carries each choice's text in one delta: it has the shape of a stream, not
+earlier tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from services.rollout.tools import parse_tool_calls
 
 class Chat:
     def __init__(self, generator: Generator, tokenizer, tool_parser: str | None, model_name: str) -> None:
-        self.generator, self.tokenizer, self.tool_parser, self.model_name = generator, tokenizer, tool_parser, model_name
+        self.generator, self.tokenizer = generator, tokenizer
+        self.tool_parser, self.model_name = tool_parser, model_name
         self.stops = {tokenizer.eos_token_id, *(generator.default.stop_token_ids or [])}
 
     async def answer(self, episode: Episode, req: ChatRequest) -> tuple[dict, Result]:
@@ -39,14 +41,16 @@ class Chat:
         for out in result.outs:
             content, calls = self.parse(out.text, tools, req.tool_choice)
             replies.append((content, calls))
-            turns.append(Turn(history=history, reply=reply_key(content, calls), token_ids=prompt + out.token_ids))
+            turns.append(Turn(history=history, reply=reply_key(content, calls),
+                              token_ids=prompt + out.token_ids))
         self.generator.record(episode, result, turns)
         return self.completion(req, result, replies), result
 
     def prompt_ids(self, episode: Episode, messages: list[dict], tools, kwargs: dict) -> list[int]:
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is not None:
-            recorded = episode.recording.continued(canonical(messages[:last], tools), canonical([messages[last]]))
+            history, reply = canonical(messages[:last], tools), canonical([messages[last]])
+            recorded = episode.recording.continued(history, reply)
             if recorded is not None:
                 ids = spliced(self.tokenizer, messages, tools, kwargs, recorded, self.stops)
                 if ids is not None:
@@ -64,16 +68,17 @@ class Chat:
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
+            entries = self.logprobs(out, req.return_tokens_as_token_ids) if req.logprobs else None
             choice = {"index": i, "message": message, "finish_reason": finish(out, calls),
-                      "logprobs": {"content": self.logprobs(out, req.return_tokens_as_token_ids)} if req.logprobs
-                      else None}
+                      "logprobs": {"content": entries} if req.logprobs else None}
             if req.return_token_ids:
                 message.update(prompt_token_ids=result.prompt_ids, generation_token_ids=out.token_ids,
                                generation_log_probs=out.logprobs)
                 choice.update(token_ids=out.token_ids, policy_versions=out.versions)
             choices.append(choice)
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or self.model_name, "choices": choices, "usage": usage(result)}
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": req.model or self.model_name, "choices": choices,
+                "usage": usage(result)}
         if req.return_token_ids:
             body["prompt_token_ids"] = result.prompt_ids
         return body
@@ -112,8 +117,9 @@ def stream(body: dict, include_usage: bool):
     head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     for choice in body["choices"]:
         message, i = choice["message"], choice["index"]
-        yield sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None}]})
+        opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+        yield sse(head | {"choices": [opening]})
         delta = {"content": message["content"]}
         if message.get("tool_calls"):
             delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(message["tool_calls"])]

@@ -1,7 +1,7 @@
 """POST .../v1/completions: a prompt as text or token ids (or a batch of them), no chat template.
 
-An agent that keeps its own token ids sends them here (its last prompt_token_ids + token_ids + what follows), and
-the recording sees its calls extend each other exactly. With `return_token_ids` each choice carries vLLM's
+An agent that keeps its own token ids sends them here (its last prompt_token_ids + token_ids + what follows),
+and the recording sees its calls extend each other exactly. With `return_token_ids` each choice carries vLLM's
 `prompt_token_ids` and `token_ids`, and Flywheel's `policy_versions`.
 """
 
@@ -30,8 +30,9 @@ class Completions:
             prompt_tokens += len(ids)
             for out in result.outs:
                 completion_tokens += len(out.token_ids)
-                choice = {"index": len(choices), "text": out.text, "finish_reason": "length" if out.truncated
-                          else "stop", "logprobs": self.logprobs(out, req) if req.logprobs is not None else None}
+                logprobs = self.logprobs(out, req) if req.logprobs is not None else None
+                choice = {"index": len(choices), "text": out.text, "logprobs": logprobs,
+                          "finish_reason": "length" if out.truncated else "stop"}
                 if req.return_token_ids:
                     choice.update(prompt_token_ids=ids, token_ids=out.token_ids, policy_versions=out.versions)
                 choices.append(choice)
@@ -50,7 +51,8 @@ class Completions:
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None,
+                "text_offset": offsets}
 
 
 def stream(body: dict, include_usage: bool):

@@ -1,9 +1,10 @@
 """One endpoint call through the engine: limits, sampling, the span, the metrics and the recording.
 
 The request's sampling is honoured (unset fields take policy.generation's values); the trainer scores every
-sample under policy.generation.temperature, so an agent in training should leave temperature unset. Temperature 0
-is greedy: top_k 1, logprobs under T = 1. max_tokens defaults to policy.generation.max_new_tokens and is cut to
-the room the sequence limit leaves; a prompt with no room left is refused (context_length_exceeded).
+sample under policy.generation.temperature, so an agent in training should leave temperature unset.
+Temperature 0 is greedy: top_k 1, logprobs under T = 1. max_tokens defaults to
+policy.generation.max_new_tokens and is cut to the room the sequence limit leaves; a prompt with no room left
+is refused (context_length_exceeded).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ tracer = trace.get_tracer("flywheel.rollout")
 CALLS = Counter("flywheel_endpoint_calls_total", "Endpoint calls answered, by route and HTTP status",
                 ["route", "status"])
 PROMPT_TOKENS = Counter("flywheel_endpoint_prompt_tokens_total", "Prompt tokens of answered endpoint calls")
-COMPLETION_TOKENS = Counter("flywheel_endpoint_completion_tokens_total", "Tokens generated for endpoint calls")
-CALL_SECONDS = Histogram("flywheel_endpoint_call_seconds", "Endpoint call latency (request to answer)", ["route"],
+COMPLETION_TOKENS = Counter("flywheel_endpoint_completion_tokens_total",
+                            "Tokens generated for endpoint calls")
+CALL_SECONDS = Histogram("flywheel_endpoint_call_seconds", "Endpoint call latency (request to answer)",
+                         ["route"],
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 
 
@@ -45,7 +48,8 @@ def sampling(request: Sampled, budget: int | None, default: GenerationConfig, ro
         temperature, top_k = 1.0, 1
     return Sampling(max_new_tokens=min(budget or default.max_new_tokens, room), temperature=temperature,
                     top_p=default.top_p if request.top_p is None else request.top_p, top_k=top_k,
-                    stop_strings=request.stop_strings() if request.stop is not None else list(default.stop_strings),
+                    stop_strings=(request.stop_strings() if request.stop is not None
+                                  else list(default.stop_strings)),
                     stop_token_ids=list(default.stop_token_ids or []), seed=request.seed)
 
 
@@ -62,7 +66,8 @@ class Generator:
         if len(prompt_ids) >= limit:
             raise context_length_exceeded(len(prompt_ids), limit)
         if episode.calls >= episode.limits.max_calls:
-            raise ApiError(429, f"this episode made its {episode.limits.max_calls} calls", code="episode_call_limit")
+            raise ApiError(429, f"this episode made its {episode.limits.max_calls} calls",
+                           code="episode_call_limit")
         vocab = len(self.engine.tokenizer)
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
@@ -70,9 +75,11 @@ class Generator:
         params = sampling(request, budget, self.default, limit - len(prompt_ids))
         if params.stop_strings:
             await asyncio.to_thread(check_stop_strings, self.engine.tokenizer, params.stop_strings)
-        attributes = {"flywheel.worker": self.worker_id, "flywheel.route": route, "flywheel.session": episode.key,
+        attributes = {"flywheel.worker": self.worker_id, "flywheel.route": route,
+                      "flywheel.session": episode.key,
                       "flywheel.prompt_tokens": len(prompt_ids), "flywheel.choices": n}
-        with tracer.start_as_current_span("rollout.endpoint", context=episode.context, attributes=attributes) as span:
+        with tracer.start_as_current_span("rollout.endpoint", context=episode.context,
+                                          attributes=attributes) as span:
             outs = await self.engine.generate([prompt_ids] * n, params)
             span.set_attribute("flywheel.tokens", sum(len(o.token_ids) for o in outs))
             span.set_attribute("flywheel.version_end", self.engine.version)
@@ -84,8 +91,9 @@ class Generator:
         return Result(prompt_ids=prompt_ids, outs=outs)
 
     def record(self, episode: Episode, result: Result, turns: list[Turn] = ()) -> None:
-        choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, versions=list(o.versions) or
-                          [self.engine.version] * len(o.token_ids), truncated=o.truncated) for o in result.outs]
+        choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated,
+                          versions=list(o.versions) or [self.engine.version] * len(o.token_ids))
+                   for o in result.outs]
         episode.recording.record(Call(prompt_ids=result.prompt_ids, choices=choices), list(turns))
 
 

@@ -1,9 +1,9 @@
 """What one episode's calls left: the trajectory builder's samples, and the turns a later call may continue.
 
-Each recorded chat choice keeps the conversation it answered and the assistant message it returned (as canonical
-keys) beside its token ids, so a later call that sends that conversation back can be given exactly those ids
-(render.py). Every call, chat or not, goes to the TrajectoryBuilder; a call that extends no recorded sample is
-counted in `flywheel_endpoint_new_samples_total`.
+Each recorded chat choice keeps the conversation it answered and the assistant message it returned (as
+canonical keys) beside its token ids, so a later call that sends that conversation back can be given exactly
+those ids (render.py). Every call, chat or not, goes to the TrajectoryBuilder; a call that extends no recorded
+sample is counted in `flywheel_endpoint_new_samples_total`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from prometheus_client import Counter
 from services.rollout.endpoint.trajectory import Call, TrajectoryBuilder
 
 NEW_SAMPLES = Counter("flywheel_endpoint_new_samples_total",
-                      "Endpoint calls whose prompt did not extend the episode's recorded tokens (each starts a sample)")
+                      "Endpoint calls whose prompt did not extend the episode's recorded tokens "
+                      "(each starts a sample)")
 
 
 @dataclass(slots=True)

@@ -1,13 +1,13 @@
 """POST .../v1/responses: the Responses API as NeMo Gym's model server speaks it, answered through chat.
 
-Input items become chat messages as NeMo Gym's VLLMConverter makes them: `instructions` a leading system message;
-`message` items by role (input_text / output_text parts joined); consecutive assistant `message`, `reasoning`
-(summary wrapped in <think></think>) and `function_call` items one assistant message with tool_calls;
-`function_call_output` a tool message. Responses-style tools ({type, name, description, parameters}) become
-chat tools. The answer's output items are a `message` (when there is text or nothing else) and one
-`function_call` per tool call; the last item carries NeMo Gym's `prompt_token_ids`, `generation_token_ids`,
-`generation_log_probs` and Flywheel's `policy_versions`. Items sent back with those fields are accepted: the
-endpoint's own record decides what extends what.
+Input items become chat messages as NeMo Gym's VLLMConverter makes them: `instructions` a leading system
+message; `message` items by role (input_text / output_text parts joined); consecutive assistant `message`,
+`reasoning` (summary wrapped in <think></think>) and `function_call` items one assistant message with
+tool_calls; `function_call_output` a tool message. Responses-style tools ({type, name, description,
+parameters}) become chat tools. The answer's output items are a `message` (when there is text or nothing else)
+and one `function_call` per tool call; the last item carries NeMo Gym's `prompt_token_ids`,
+`generation_token_ids`, `generation_log_probs` and Flywheel's `policy_versions`. Items sent back with those
+fields are accepted: the endpoint's own record decides what extends what.
 """
 
 from __future__ import annotations
@@ -36,18 +36,23 @@ async def answer(chat: Chat, episode: Episode, req: ResponsesRequest) -> dict:
     u = completion["usage"]
     incomplete = choice["finish_reason"] == "length"
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-            "model": completion["model"], "output": items, "status": "incomplete" if incomplete else "completed",
+            "model": completion["model"], "output": items,
+            "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "instructions": req.instructions, "tools": req.tools, "tool_choice": req.tool_choice,
-            "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature,
+            "top_p": req.top_p,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "user": req.user,
             "usage": {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": u["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u["total_tokens"]}}
 
 
 def messages(req: ResponsesRequest) -> list[dict]:
-    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = req.input
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
     out: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     assistant: dict | None = None
     for item in items:
@@ -75,8 +80,9 @@ def extend_assistant(assistant: dict, kind: str, item: dict) -> None:
         summary = "".join(s.get("text", "") for s in item.get("summary") or [] if isinstance(s, dict))
         assistant["content"] += f"<think>{summary}</think>" if summary else ""
     elif kind == "function_call":
-        assistant.setdefault("tool_calls", []).append({"id": item.get("call_id"), "type": "function", "function": {
-            "name": item.get("name"), "arguments": item.get("arguments")}})
+        function = {"name": item.get("name"), "arguments": item.get("arguments")}
+        assistant.setdefault("tool_calls", []).append(
+            {"id": item.get("call_id"), "type": "function", "function": function})
     else:
         assistant["content"] += text(item.get("content"))
 
@@ -102,8 +108,8 @@ def output_items(message: dict) -> list[dict]:
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                      "status": "completed", "content": [{"type": "output_text", "text": message.get("content") or "",
-                                                          "annotations": []}]})
+                      "status": "completed", "content": [
+                          {"type": "output_text", "text": message.get("content") or "", "annotations": []}]})
     for call in calls:
         items.append({"id": call["id"], "type": "function_call", "call_id": call["id"], "status": "completed",
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"]})

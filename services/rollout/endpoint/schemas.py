@@ -1,11 +1,12 @@
 """Request bodies the endpoint accepts, as pydantic models; docs/agents.md lists the same fields.
 
-Unknown top-level fields are refused (400, naming them): a misspelt sampling field would otherwise change nothing
-unseen, and in RL an unseen change to sampling is an off-policy sample. OpenAI's own fields are known; each is
-either honoured, accepted without effect on sampling (`user`, `metadata`, `store`, ...), or refused unless it has
-its default (penalties, `logit_bias`, `response_format` other than text, ...): this engine cannot apply them, and
-a sample drawn without them must not pass for one drawn with them. Inside messages, the fields the OpenAI SDK and
-NeMo Gym echo back from an answer (`refusal`, `annotations`, the token-id fields) are accepted and ignored.
+Unknown top-level fields are refused (400, naming them): a misspelt sampling field would otherwise change
+nothing unseen, and in RL an unseen change to sampling is an off-policy sample. OpenAI's own fields are known;
+each is either honoured, accepted without effect on sampling (`user`, `metadata`, `store`, ...), or refused
+unless it has its default (penalties, `logit_bias`, `response_format` other than text, ...): this engine
+cannot apply them, and a sample drawn without them must not pass for one drawn with them. Inside messages, the
+fields the OpenAI SDK and NeMo Gym echo back from an answer (`refusal`, `annotations`, the token-id fields)
+are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -160,9 +161,10 @@ class ChatRequest(Sampled):
     def _chat_supported(self):
         refuse_unless_default(self, {"top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
                                      "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-                                     "web_search_options": (None,), "moderation": (None,), "functions": (None,),
+                                     "web_search_options": (None,), "moderation": (None,),
+                                     "functions": (None,),
                                      "function_call": (None,), "tool_choice": (None, "none", "auto")})
-        if self.chat_template_kwargs and {"chat_template", "tools", "messages"} & set(self.chat_template_kwargs):
+        if {"chat_template", "tools", "messages"} & set(self.chat_template_kwargs or {}):
             raise ValueError("chat_template_kwargs may not set chat_template, tools or messages")
         return self
 

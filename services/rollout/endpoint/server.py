@@ -6,7 +6,8 @@
     trajectory = endpoint.close_episode(key)                        # samples to publish with the group
 
 It listens on policy.generation.endpoint.host (loopback unless configured) and port (0: a free one), with TLS
-when security.tls_cert is set (client certificates required under security.tls_mutual), as the gRPC servers do.
+when security.tls_cert is set (client certificates required under security.tls_mutual), as the gRPC servers
+do.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ log = logging.getLogger("flywheel.rollout.endpoint")
 
 
 class EndpointServer:
-    def __init__(self, cfg: FlywheelConfig, engine: Engine, worker_id: str, tool_parser: str | None = None) -> None:
+    def __init__(self, cfg: FlywheelConfig, engine: Engine, worker_id: str,
+                 tool_parser: str | None = None) -> None:
         self.cfg = cfg
         self.settings = cfg.policy.generation.endpoint
         self.sessions = Sessions()
@@ -67,7 +69,8 @@ class EndpointServer:
         log.info("OpenAI-compatible endpoint at %s", self.base_url)
         return self.base_url
 
-    def open_episode(self, metadata: dict | None = None, max_calls: int | None = None) -> tuple[str, str, str]:
+    def open_episode(self, metadata: dict | None = None,
+                     max_calls: int | None = None) -> tuple[str, str, str]:
         """(session key, token, base URL for the OpenAI SDK) of a new episode."""
         limits = Limits(max_sequence_tokens=self.cfg.policy.max_total_sequence_length,
                         max_calls=max_calls or self.settings.max_calls)

@@ -1,10 +1,11 @@
 """Episodes: the session key that names one, the token that authorizes calls in it, its limits and recording.
 
-A rollout worker opens an episode before an agent starts (`Sessions.open`), hands the agent the base URL (which
-holds the session key) and the token (its API key), and closes it when the agent is done (`Sessions.close`), which
-returns the trajectory. A call names an episode by its URL path `/sessions/<key>/v1/...` (or the header
-`X-Flywheel-Session` on `/v1/...`) and carries `Authorization: Bearer <token>`. Outside a live episode it is refused:
-401 without the episode's token, 404 for a key never opened, 410 for an episode already closed.
+A rollout worker opens an episode before an agent starts (`Sessions.open`), hands the agent the base URL
+(which holds the session key) and the token (its API key), and closes it when the agent is done
+(`Sessions.close`), which returns the trajectory. A call names an episode by its URL path
+`/sessions/<key>/v1/...` (or the header `X-Flywheel-Session` on `/v1/...`) and carries `Authorization: Bearer
+<token>`. Outside a live episode it is refused: 401 without the episode's token, 404 for a key never opened,
+410 for an episode already closed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Episode:
     token: str
     limits: Limits
     metadata: dict[str, Any] = field(default_factory=dict)
-    """The prompt group's (group id, prompt id, environment, ...), for the worker; the endpoint only keeps it."""
+    """The prompt group's (group id, prompt id, environment, ...) for the worker: kept, not read."""
     context: Any = None
     """The trace context current at open (the group's): each call's span is its child."""
     recording: Recording = field(default_factory=Recording)
@@ -72,8 +73,9 @@ class Sessions:
 
     def authorize(self, key: str | None, token: str | None) -> Episode:
         if not key:
-            raise ApiError(404, "no session: call /sessions/<session key>/v1/... (or send the X-Flywheel-Session "
-                                "header) with the key of an open episode", code="session_required")
+            raise ApiError(404, "no session: call /sessions/<session key>/v1/... (or send the "
+                                "X-Flywheel-Session header) with the key of an open episode",
+                           code="session_required")
         episode = self.episodes.get(key)
         if episode is None:
             if key in self.finished:

@@ -8,11 +8,12 @@ logprobs and policy versions). The calls are added in the order they finished:
            then the choice's tokens trainable (generated_mask True, logprobs and versions kept)
     prompt extends no sample  -> a new sample: the prompt masked, then the choice's tokens trainable;
                                  `add` returns False (the endpoint counts it) unless nothing was recorded yet
-    n > 1 choices             -> every choice grows its own copy of the extended sample (the first takes its place)
+    n > 1 choices             -> every choice grows its own copy of the extended sample (the first takes
+                                 its place)
 
-So the trainer trains on exactly the ids the engine sampled, never on a re-tokenization of them, and a call whose
-history was rewritten (an agent that re-templates or edits past turns) never lines up tokens of one rendering with
-logprobs of another: it starts a sample of its own, in which the earlier turns are context only.
+So the trainer trains on exactly the ids the engine sampled, never on a re-tokenization of them, and a call
+whose history was rewritten (an agent that re-templates or edits past turns) never lines up tokens of one
+rendering with logprobs of another: it starts a sample of its own, where the earlier turns are context.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Sample:
 
     token_ids: list[int] = field(default_factory=list)
     generated_mask: list[bool] = field(default_factory=list)
-    """Per token: True where the policy sampled it (trained), False for prompts, tool results, template tokens."""
+    """Per token: True where the policy sampled it (trained); False for prompts, tool results, template
+    tokens."""
     logprobs: list[float] = field(default_factory=list)
     """Per token: the engine's logprob where generated, 0.0 elsewhere."""
     versions: list[int] = field(default_factory=list)
@@ -122,7 +124,7 @@ class TrajectoryBuilder:
         return extends
 
     def extended(self, prompt: list[int]) -> int | None:
-        """Index of the longest sample that `prompt` starts with (the first of equals); None if there is none."""
+        """Index of the longest sample that `prompt` starts with (the first of equals); None if none does."""
         best = None
         for i, sample in enumerate(self.trajectory.samples):
             n = len(sample.token_ids)
