@@ -1,7 +1,8 @@
 """A complete agent on Flywheel's endpoint: the OpenAI SDK, a calculator tool, a few turns (docs/agents.md).
 
-The rollout worker hands the agent OPENAI_BASE_URL (it names the episode) and OPENAI_API_KEY (the episode's token);
-the SDK reads both. Run: OPENAI_BASE_URL=... OPENAI_API_KEY=... python examples/agent_calculator.py "add 2 3"
+The rollout worker hands the agent OPENAI_BASE_URL (it names the episode) and OPENAI_API_KEY (the episode's
+token); the SDK reads both.
+Run: OPENAI_BASE_URL=... OPENAI_API_KEY=... python examples/agent_calculator.py "add 2 3"
 """
 
 import json
@@ -9,8 +10,9 @@ import sys
 
 from openai import OpenAI
 
+EXPRESSION = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "Evaluate + - * / on numbers",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+                                           "parameters": EXPRESSION}}]
 
 
 def calculate(expression: str) -> str:
@@ -26,11 +28,13 @@ def main(task: str, turns: int = 3) -> list[dict]:
     client = OpenAI()
     messages = [{"role": "user", "content": task}]
     for _ in range(turns):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
+        answer = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        reply = answer.choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls or []:
             args = json.loads(call.function.arguments or "{}")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(args.get("expression")))})
+            result = calculate(str(args.get("expression")))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         if not reply.tool_calls:
             messages.append({"role": "user", "content": "check it and answer again"})
     return messages

@@ -56,6 +56,7 @@ def sampling(request: Sampled, budget: int | None, default: GenerationConfig, ro
 class Generator:
     def __init__(self, engine: Engine, default: GenerationConfig, worker_id: str) -> None:
         self.engine, self.default, self.worker_id = engine, default, worker_id
+        self.tracer = tracer
 
     async def generate(self, episode: Episode, route: str, prompt_ids: list[int], request: Sampled,
                        budget: int | None, n: int) -> Result:
@@ -78,8 +79,8 @@ class Generator:
         attributes = {"flywheel.worker": self.worker_id, "flywheel.route": route,
                       "flywheel.session": episode.key,
                       "flywheel.prompt_tokens": len(prompt_ids), "flywheel.choices": n}
-        with tracer.start_as_current_span("rollout.endpoint", context=episode.context,
-                                          attributes=attributes) as span:
+        with self.tracer.start_as_current_span("rollout.endpoint", context=episode.context,
+                                               attributes=attributes) as span:
             outs = await self.engine.generate([prompt_ids] * n, params)
             span.set_attribute("flywheel.tokens", sum(len(o.token_ids) for o in outs))
             span.set_attribute("flywheel.version_end", self.engine.version)

@@ -37,7 +37,7 @@ class EndpointServer:
         self.cfg = cfg
         self.settings = cfg.policy.generation.endpoint
         self.sessions = Sessions()
-        generator = Generator(engine, cfg.policy.generation, worker_id)
+        self.generator = generator = Generator(engine, cfg.policy.generation, worker_id)
         name = cfg.policy.model_name
         self.app = make_app(self.sessions, Chat(generator, engine.tokenizer, tool_parser, name),
                             Completions(generator, engine.tokenizer, name), name,

@@ -1,5 +1,5 @@
-"""The endpoint for real: uvicorn on a free port, the hf engine with the tiny model after a version-0 weight sync,
-and the `openai` SDK as the agent's client. The trainer's logprobs come from its own model (engine_harness)."""
+"""The endpoint for real: uvicorn on a free port, the hf engine with the tiny model after a version-0 weight
+sync, and the `openai` SDK as the agent's client. The trainer's logprobs come from its own model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import pytest
 import pytest_asyncio
 import torch
 from engine_harness import Trainer, policy, token_mult_prob_error
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AuthenticationError
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
 from services.common.config import load_config
@@ -25,12 +28,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 EXAMPLE = Path(__file__).parents[3] / "examples" / "agent_calculator.py"
 PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error
 LIMIT = 160
-# The tiny template, with assistant turns closed by EOS as real chat templates close them (<|im_end|>, <|eot_id|>),
-# and past assistant turns rendered otherwise than the model wrote them ([...] here; Qwen3's template drops their
-# <think> blocks): a plain re-rendering of the history never extends the recorded tokens.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:"
-            "{% if m['role'] == 'assistant' %}[{{ m['content'] }}]{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}"
-            "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+# The tiny template, with assistant turns closed by EOS as real chat templates close them (<|im_end|>,
+# <|eot_id|>), and past assistant turns rendered otherwise than the model wrote them ([...] here; Qwen3's
+# template drops their <think> blocks): a plain re-rendering of the history never extends the recorded tokens.
+# Tools, when given, are listed first.
+TEMPLATE = ("{{ bos_token }}{% if tools %}s:tools {{ tools | map(attribute='function.name') | join(',') }}"
+            "{{ '\\n' }}{% endif %}{% for m in messages %}{{ m['role'][0] }}:"
+            "{% if m['role'] == 'assistant' %}[{{ m['content'] }}]{{ eos_token }}"
+            "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -85,9 +91,11 @@ async def test_chat_returns_text_token_ids_logprobs_and_versions(served):
     assert r.model_extra["prompt_token_ids"] == prompt
     for choice in r.choices:
         ids = choice.model_extra["token_ids"]
-        assert 0 < len(ids) <= 6 and engine.tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
-        assert [e.logprob for e in choice.logprobs.content] == choice.message.model_extra["generation_log_probs"]
-        assert all(e.logprob < 0 for e in choice.logprobs.content) and len(choice.logprobs.content) == len(ids)
+        assert 0 < len(ids) <= 6
+        assert engine.tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
+        entries = choice.logprobs.content
+        assert [e.logprob for e in entries] == choice.message.model_extra["generation_log_probs"]
+        assert all(e.logprob < 0 for e in entries) and len(entries) == len(ids)
         assert choice.model_extra["policy_versions"] == [0] * len(ids)
     assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
 
@@ -95,9 +103,9 @@ async def test_chat_returns_text_token_ids_logprobs_and_versions(served):
 async def test_streaming_chat_delivers_the_same_completion_as_chunks(served):
     endpoint, engine, _ = served
     _, client = agent(endpoint)
-    stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"return_token_ids": True})
+    stream = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
     text, finish, ids, usage = "", None, None, None
     async for chunk in stream:
         if chunk.usage:
@@ -120,7 +128,8 @@ async def test_a_multi_call_episode_is_one_sample_whose_logprobs_match_the_train
         r = await client.chat.completions.create(model="policy", messages=messages,
                                                  extra_body={"return_token_ids": True})
         replies.append(r)
-        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"ok {turn}"}]
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": f"ok {turn}"}]
     trajectory = endpoint.close_episode(key)
     [sample] = trajectory.samples
     last = replies[-1]
@@ -135,8 +144,9 @@ async def test_an_agent_that_retemplates_history_gets_separate_aligned_samples_a
     endpoint, engine, model = served
     key, client = agent(endpoint)
     before = new_samples()
-    first = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "add 2 3"}],
-                                                 extra_body={"return_token_ids": True})
+    first = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "add 2 3"}],
+        extra_body={"return_token_ids": True})
     said = first.choices[0].message.content
     # The agent folds the conversation into one user message, as a summarising harness does.
     second = await client.chat.completions.create(
@@ -156,13 +166,15 @@ async def test_completions_take_text_or_token_ids_and_calls_that_extend_share_a_
     key, client = agent(endpoint)
     a = await client.completions.create(model="policy", prompt="u:copy 7\na:", logprobs=0,
                                         extra_body={"return_token_ids": True})
-    ids = a.choices[0].model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"]
-    assert a.choices[0].logprobs.token_logprobs == pytest.approx(
-        [lp for lp in trainer_logprobs(model, ids)[-len(a.choices[0].model_extra["token_ids"]):].tolist()], abs=1e-3)
+    sampled = a.choices[0].model_extra["token_ids"]
+    ids = a.choices[0].model_extra["prompt_token_ids"] + sampled
+    train = trainer_logprobs(model, ids)[-len(sampled):].tolist()
+    assert a.choices[0].logprobs.token_logprobs == pytest.approx(train, abs=1e-3)
     b = await client.completions.create(model="policy", prompt=ids + engine.tokenizer("\nu:ok").input_ids,
                                         extra_body={"return_token_ids": True})
     [sample] = endpoint.close_episode(key).samples
-    assert sample.token_ids == b.choices[0].model_extra["prompt_token_ids"] + b.choices[0].model_extra["token_ids"]
+    b_extra = b.choices[0].model_extra
+    assert sample.token_ids == b_extra["prompt_token_ids"] + b_extra["token_ids"]
     assert sample.calls == 2
 
 
@@ -174,8 +186,8 @@ async def test_responses_answer_with_nemo_gym_token_fields_and_extend_across_cal
     assert item["prompt_token_ids"] == engine.tokenizer("<bos>s:be brief\nu:copy 5\na:",
                                                         add_special_tokens=False).input_ids
     assert len(item["generation_token_ids"]) == len(item["generation_log_probs"]) > 0
-    history = [{"role": "user", "content": "copy 5"}, *[o.model_dump(exclude_none=True) for o in first.output],
-               {"role": "user", "content": "again"}]
+    echoed = [o.model_dump(exclude_none=True) for o in first.output]
+    history = [{"role": "user", "content": "copy 5"}, *echoed, {"role": "user", "content": "again"}]
     second = await client.responses.create(model="policy", input=history, instructions="be brief")
     [sample] = endpoint.close_episode(key).samples
     last = second.output[-1].model_extra
@@ -193,12 +205,65 @@ async def test_the_example_agent_runs_an_episode_that_trains_as_one_sample(serve
     endpoint, _, model = served
     key, token, base_url = endpoint.open_episode()
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": token}
+    pipe = asyncio.subprocess.PIPE
     proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), "add 2 3", env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                                                stdout=pipe, stderr=pipe)
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
     assert len([m for m in json.loads(out) if m["role"] == "assistant"]) == 3
     trajectory = endpoint.close_episode(key)
     [sample] = trajectory.samples
     assert trajectory.calls == 3 and sample.calls == 3
+    assert_trainer_agrees(model, sample)
+
+
+def counted(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_each_call_is_a_span_in_the_episodes_trace_and_is_counted(served):
+    endpoint, _, _ = served
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer, kept = provider.get_tracer("test"), endpoint.generator.tracer
+    endpoint.generator.tracer = tracer
+    ok, refused = counted("flywheel_endpoint_calls_total", route="chat", status="200"), \
+        counted("flywheel_endpoint_calls_total", route="chat", status="401")
+    tokens = counted("flywheel_endpoint_completion_tokens_total")
+    try:
+        with tracer.start_as_current_span("rollout.group") as group:  # the worker opens it in the group's span
+            key, token, base_url = endpoint.open_episode()
+        client = AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0)
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(AuthenticationError):
+            await AsyncOpenAI(base_url=base_url, api_key="nope", max_retries=0).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        endpoint.generator.tracer = kept
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "rollout.endpoint"]
+    assert span.parent.span_id == group.get_span_context().span_id
+    assert span.context.trace_id == group.get_span_context().trace_id
+    assert span.attributes["flywheel.route"] == "chat" and span.attributes["flywheel.session"] == key
+    assert span.attributes["flywheel.tokens"] == r.usage.completion_tokens
+    assert counted("flywheel_endpoint_calls_total", route="chat", status="200") == ok + 1
+    assert counted("flywheel_endpoint_calls_total", route="chat", status="401") == refused + 1
+    assert counted("flywheel_endpoint_completion_tokens_total") == tokens + r.usage.completion_tokens
+
+
+async def test_tools_reach_the_template_and_tool_results_extend_the_sample(served):
+    endpoint, engine, model = served
+    key, client = agent(endpoint)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "add 2 3"}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=tools,
+                                                 extra_body={"return_token_ids": True})
+    want = engine.tokenizer("<bos>s:tools calc\nu:add 2 3\na:", add_special_tokens=False).input_ids
+    assert first.model_extra["prompt_token_ids"] == want
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": "call-1", "content": "5"}]
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=tools,
+                                                  extra_body={"return_token_ids": True})
+    [sample] = endpoint.close_episode(key).samples
+    sampled = second.choices[0].model_extra["token_ids"]
+    assert sample.token_ids == second.model_extra["prompt_token_ids"] + sampled
     assert_trainer_agrees(model, sample)

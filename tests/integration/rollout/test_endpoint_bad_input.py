@@ -1,5 +1,5 @@
-"""Bad input to the endpoint: each case a clear 4xx in OpenAI's error shape, never a crash; then fuzzed requests
-on every route while generation works, after which the server still answers."""
+"""Bad input to the endpoint: each case a clear 4xx in OpenAI's error shape, never a crash; then fuzzed
+requests on every route while generation works, after which the server still answers."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ async def test_malformed_json_is_a_400(endpoint):
 async def test_unknown_fields_are_refused_by_name(endpoint):
     _, token, url = endpoint.open_episode()
     with pytest.raises(openai.BadRequestError, match="unknown field.*temprature"):
-        await client(url, token).chat.completions.create(model="m", messages=HI, extra_body={"temprature": 0.5})
+        await client(url, token).chat.completions.create(model="m", messages=HI,
+                                                         extra_body={"temprature": 0.5})
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         await client(url, token).chat.completions.create(model="m", messages=HI, frequency_penalty=0.5)
 
@@ -91,7 +92,8 @@ async def test_an_unknown_or_finished_session_is_refused(endpoint):
 async def test_a_prompt_over_the_length_limit_is_context_length_exceeded(endpoint):
     _, token, url = endpoint.open_episode()
     with pytest.raises(openai.BadRequestError) as err:
-        await client(url, token).chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * LIMIT}])
+        await client(url, token).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x" * LIMIT}])
     assert err.value.code == "context_length_exceeded" and f"{LIMIT} tokens" in err.value.message
     with pytest.raises(openai.BadRequestError, match="context length"):
         await client(url, token).completions.create(model="m", prompt=[5] * LIMIT)
@@ -100,18 +102,20 @@ async def test_a_prompt_over_the_length_limit_is_context_length_exceeded(endpoin
     assert r.usage.completion_tokens == 1
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                max_size=4), max_leaves=12)
+SCALAR = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
+JSON = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "x", 3]),
                                  "content": st.text(max_size=30) | JSON})
 CHAT = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=3) | JSON}, optional={
     "max_tokens": st.integers(-3, 3) | JSON, "temperature": st.floats(-1, 3) | JSON, "n": st.integers(-1, 3),
     "stop": st.text(max_size=3) | JSON, "top_p": st.floats(-1, 2), "logprobs": st.booleans() | JSON,
-    "tools": JSON, "stream": st.booleans(), "seed": st.integers(-5, 2**64), "return_token_ids": st.booleans()})
-COMPLETION = st.fixed_dictionaries({"prompt": st.text(max_size=30) | st.lists(st.integers(-5, 70), max_size=8)
-                                    | JSON}, optional={"max_tokens": st.integers(-3, 3), "n": st.integers(-1, 3),
-                                                       "logprobs": st.integers(-1, 2) | JSON, "echo": JSON})
+    "tools": JSON, "stream": st.booleans(), "seed": st.integers(-5, 2**64),
+    "return_token_ids": st.booleans()})
+PROMPT = st.text(max_size=30) | st.lists(st.integers(-5, 70), max_size=8) | JSON
+COMPLETION = st.fixed_dictionaries({"prompt": PROMPT}, optional={
+    "max_tokens": st.integers(-3, 3), "n": st.integers(-1, 3), "logprobs": st.integers(-1, 2) | JSON,
+    "echo": JSON})
 RESPONSE = st.fixed_dictionaries({"input": st.text(max_size=30) | st.lists(JSON | MESSAGE, max_size=3)},
                                  optional={"max_output_tokens": st.integers(-3, 3), "tools": JSON,
                                            "instructions": JSON, "stream": JSON})

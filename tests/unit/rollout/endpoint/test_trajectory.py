@@ -10,13 +10,13 @@ from services.rollout.endpoint.trajectory import Call, Choice, Sample, Trajector
 
 
 def choice(tokens: list[int], version: int = 0, truncated: bool = False) -> Choice:
-    return Choice(token_ids=tokens, logprobs=[-0.5 - t / 100 for t in tokens], versions=[version] * len(tokens),
-                  truncated=truncated)
+    return Choice(token_ids=tokens, logprobs=[-0.5 - t / 100 for t in tokens],
+                  versions=[version] * len(tokens), truncated=truncated)
 
 
 def reference(calls: list[Call]) -> tuple[list[Sample], int]:
-    """Each sample is a chain of (call, choice) entries; its tokens are the last entry's prompt + choice, and a
-    position is generated exactly when some entry of the chain sampled it."""
+    """Each sample is a chain of (call, choice) entries; its tokens are the last entry's prompt + choice, and
+    a position is generated exactly when some entry of the chain sampled it."""
     chains: list[list[tuple[int, int]]] = []
     mismatches = 0
 
