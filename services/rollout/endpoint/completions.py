@@ -23,8 +23,10 @@ class Completions:
 
     async def answer(self, episode: Episode, req: CompletionRequest) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
-        for prompt in req.prompts():
-            ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.encode, prompt)
+        batch = [p if isinstance(p, list) else await asyncio.to_thread(self.encode, p) for p in req.prompts()]
+        for ids in batch:  # a batch is refused before any of it generates
+            self.generator.check(episode, ids)
+        for ids in batch:
             result = await self.generator.generate(episode, "completions", ids, req, req.max_tokens, req.n)
             self.generator.record(episode, result)
             prompt_tokens += len(ids)

@@ -60,18 +60,9 @@ class Generator:
 
     async def generate(self, episode: Episode, route: str, prompt_ids: list[int], request: Sampled,
                        budget: int | None, n: int) -> Result:
-        """`n` choices of `prompt_ids`, recorded in the episode (chat calls add their turns with `turns`)."""
+        """`n` choices of `prompt_ids` (record them with `record`)."""
+        self.check(episode, prompt_ids)
         limit = episode.limits.max_sequence_tokens
-        if not prompt_ids:
-            raise bad_request("the prompt has no tokens", param="prompt")
-        if len(prompt_ids) >= limit:
-            raise context_length_exceeded(len(prompt_ids), limit)
-        if episode.calls >= episode.limits.max_calls:
-            raise ApiError(429, f"this episode made its {episode.limits.max_calls} calls",
-                           code="episode_call_limit")
-        vocab = len(self.engine.tokenizer)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         episode.calls += 1
         params = sampling(request, budget, self.default, limit - len(prompt_ids))
         if params.stop_strings:
@@ -90,6 +81,21 @@ class Generator:
         PROMPT_TOKENS.inc(len(prompt_ids))
         COMPLETION_TOKENS.inc(sum(len(o.token_ids) for o in outs))
         return Result(prompt_ids=prompt_ids, outs=outs)
+
+    def check(self, episode: Episode, prompt_ids: list[int]) -> None:
+        """Refuse a prompt the episode cannot take: empty, no room left, ids out of the vocabulary, or past the
+        episode's calls."""
+        limit = episode.limits.max_sequence_tokens
+        if not prompt_ids:
+            raise bad_request("the prompt has no tokens", param="prompt")
+        if len(prompt_ids) >= limit:
+            raise context_length_exceeded(len(prompt_ids), limit)
+        if episode.calls >= episode.limits.max_calls:
+            raise ApiError(429, f"this episode made its {episode.limits.max_calls} calls",
+                           code="episode_call_limit")
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
 
     def record(self, episode: Episode, result: Result, turns: list[Turn] = ()) -> None:
         choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated,

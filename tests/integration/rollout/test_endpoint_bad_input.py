@@ -90,16 +90,19 @@ async def test_an_unknown_or_finished_session_is_refused(endpoint):
 
 
 async def test_a_prompt_over_the_length_limit_is_context_length_exceeded(endpoint):
-    _, token, url = endpoint.open_episode()
+    key, token, url = endpoint.open_episode()
     with pytest.raises(openai.BadRequestError) as err:
         await client(url, token).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x" * LIMIT}])
     assert err.value.code == "context_length_exceeded" and f"{LIMIT} tokens" in err.value.message
     with pytest.raises(openai.BadRequestError, match="context length"):
         await client(url, token).completions.create(model="m", prompt=[5] * LIMIT)
+    with pytest.raises(openai.BadRequestError, match="context length"):  # one prompt of a batch: none runs
+        await client(url, token).completions.create(model="m", prompt=[[5, 6], [5] * LIMIT])
     # Just under the limit: the completion is cut to the room left.
     r = await client(url, token).completions.create(model="m", prompt=[5] * (LIMIT - 1), max_tokens=50)
     assert r.usage.completion_tokens == 1
+    assert endpoint.close_episode(key).calls == 1
 
 
 SCALAR = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
