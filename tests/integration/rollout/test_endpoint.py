@@ -267,3 +267,17 @@ async def test_tools_reach_the_template_and_tool_results_extend_the_sample(serve
     sampled = second.choices[0].model_extra["token_ids"]
     assert sample.token_ids == second.model_extra["prompt_token_ids"] + sampled
     assert_trainer_agrees(model, sample)
+
+
+async def test_the_worker_starts_an_endpoint_on_loopback_only_when_enabled(served):
+    from services.rollout.main import start_endpoint
+
+    _, engine, _ = served
+    assert await start_endpoint(load_config(None, []), engine, "w") is None
+    started = await start_endpoint(load_config(None, ["policy.generation.endpoint.enabled=true"]), engine, "w")
+    try:
+        assert started.base_url.startswith("http://127.0.0.1:")
+        _, client = agent(started)
+        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+    finally:
+        await started.stop()
