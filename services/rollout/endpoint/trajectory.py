@@ -132,3 +132,20 @@ class TrajectoryBuilder:
                 if best is None or n > len(self.trajectory.samples[best].token_ids):
                     best = i
         return best
+
+
+def group_rows(samples: list[Sample]) -> tuple[list[int], list[dict]]:
+    """Samples (of one episode or of a prompt group's episodes) in a TrajectoryGroup's shape: the longest prefix
+    that every sample shares and none generated (`prompt_token_ids`), and per sample the fields of a Completion
+    (`token_ids` after that prefix, `generated_mask`, `generation_logprobs`, `version_start`, `version_end`,
+    `truncated`). Samples that share nothing give an empty prompt."""
+    if not samples:
+        return [], []
+    first = samples[0]
+    n = min(len(s.token_ids) for s in samples)
+    shared = next((i for i in range(n) if first.generated_mask[i]
+                   or any(s.token_ids[i] != first.token_ids[i] for s in samples)), n)
+    rows = [{"token_ids": s.token_ids[shared:], "generated_mask": s.generated_mask[shared:],
+             "generation_logprobs": s.logprobs[shared:], "version_start": s.version_start,
+             "version_end": s.version_end, "truncated": s.truncated} for s in samples]
+    return first.token_ids[:shared], rows

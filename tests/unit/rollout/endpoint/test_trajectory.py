@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.rollout.endpoint.trajectory import Call, Choice, Sample, TrajectoryBuilder
+from services.rollout.endpoint.trajectory import Call, Choice, Sample, TrajectoryBuilder, group_rows
 
 
 def choice(tokens: list[int], version: int = 0, truncated: bool = False) -> Choice:
@@ -117,3 +117,28 @@ def test_n_choices_fork_the_sample_they_extend():
     assert [s.token_ids for s in b.trajectory.samples] == [[1, 4, 9, 5], [1, 4, 9, 6]]
     assert [s.generated_mask for s in b.trajectory.samples] == [[False, True, False, True]] * 2
     assert b.trajectory.new_samples == 0
+
+
+def test_group_rows_share_the_longest_common_ungenerated_prefix_as_the_prompt():
+    b = TrajectoryBuilder()
+    b.add(Call(prompt_ids=[1, 5, 6], choices=[choice([7, 2]), choice([5, 3])]))  # the second samples a 5 too
+    prompt, rows = group_rows(b.trajectory.samples)
+    assert prompt == [1, 5, 6]
+    assert [r["token_ids"] for r in rows] == [[7, 2], [5, 3]]
+    assert [r["generated_mask"] for r in rows] == [[True, True]] * 2
+    assert rows[0]["generation_logprobs"] == b.trajectory.samples[0].logprobs[3:]
+    assert (rows[0]["version_start"], rows[0]["version_end"]) == (0, 0)
+    same, _ = group_rows([Sample(token_ids=[4], generated_mask=[True], logprobs=[-1.0], versions=[0])] * 2)
+    assert same == []  # a generated token is never prompt
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_group_rows_rebuild_every_sample(seed):
+    calls = random_calls(random.Random(seed), n=6)
+    b = TrajectoryBuilder()
+    for call in calls:
+        b.add(call)
+    prompt, rows = group_rows(b.trajectory.samples)
+    for sample, row in zip(b.trajectory.samples, rows, strict=True):
+        assert prompt + row["token_ids"] == sample.token_ids
+        assert [False] * len(prompt) + row["generated_mask"] == sample.generated_mask
