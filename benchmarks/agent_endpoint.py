@@ -1,14 +1,15 @@
 """Tokens/s through the OpenAI-compatible endpoint beside the same engine called directly, same requests.
 
     python benchmarks/agent_endpoint.py [--requests 64] [--concurrency 16] [--max-tokens 16] [--backend hf]
-                                        [--repeats 2]
+                                        [--repeats 2] [--client-process]
 
 One engine (version 0 over gloo, as the trainer delivers it) serves both sides, in turns:
 - direct: `engine.generate([prompt_ids], sampling)` per request, `concurrency` at once; the prompt is the chat
   template's rendering of the request's messages, tokenized here beforehand;
-- endpoint: the same requests as chat completions through the `openai` SDK (AsyncOpenAI, in this process, so the
-  client's CPU counts against the endpoint) to an EndpointServer on loopback, one episode per request,
-  `concurrency` at once: HTTP, JSON, the template, the recording and the episode check are all in the clock.
+- endpoint: the same requests as chat completions through the `openai` SDK (one AsyncOpenAI, in this process so
+  that the client's CPU counts against the endpoint, or with --client-process in a process of its own, as agents
+  run) to an EndpointServer on loopback, one episode per request, `concurrency` at once: HTTP, JSON, the
+  template, the recording and the episode check are all in the clock.
 Printed per repeat: generated tokens/s of each side and their ratio (endpoint / direct). Results: docs/benchmarks.md.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import sys
 import threading
@@ -75,25 +77,44 @@ async def direct(engine, prompts: list[list[int]], args) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-async def through_endpoint(endpoint: EndpointServer, messages: list[list[dict]], args) -> float:
-    episodes = [endpoint.open_episode() for _ in messages]
+async def agents(base_url: str, episodes: list[tuple[str, str]], messages: list[list[dict]], concurrency: int,
+                 max_tokens: int) -> tuple[int, float]:
+    """The agents' side: (tokens, seconds) of the chat calls, `concurrency` at once."""
     # One client for all (an agent fleet shares connections): each call names its episode by header and token.
-    client = AsyncOpenAI(base_url=f"{endpoint.base_url}/v1", api_key="per-call", max_retries=0)
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="per-call", max_retries=0)
 
     async def one(i: int) -> int:
-        key, token, _ = episodes[i]
+        key, token = episodes[i]
         r = await client.chat.completions.create(
-            model="policy", messages=messages[i], max_tokens=args.max_tokens,
+            model="policy", messages=messages[i], max_tokens=max_tokens,
             extra_headers={"X-Flywheel-Session": key, "Authorization": f"Bearer {token}"})
         return r.usage.completion_tokens
 
     t0 = time.perf_counter()
-    tokens = await bounded(len(messages), args.concurrency, one)
-    rate = tokens / (time.perf_counter() - t0)
+    tokens = await bounded(len(messages), concurrency, one)
+    seconds = time.perf_counter() - t0
     await client.close()
-    for key, _, _ in episodes:
+    return tokens, seconds
+
+
+def agents_process(conn, *args) -> None:
+    conn.send(asyncio.run(agents(*args)))
+
+
+async def through_endpoint(endpoint: EndpointServer, messages: list[list[dict]], args) -> float:
+    episodes = [endpoint.open_episode()[:2] for _ in messages]
+    load = (endpoint.base_url, episodes, messages, args.concurrency, args.max_tokens)
+    if args.client_process:  # as agents run: in processes of their own
+        parent, child = multiprocessing.get_context("spawn").Pipe()
+        proc = multiprocessing.get_context("spawn").Process(target=agents_process, args=(child, *load))
+        proc.start()
+        tokens, seconds = await asyncio.to_thread(parent.recv)
+        proc.join()
+    else:
+        tokens, seconds = await agents(*load)
+    for key, _ in episodes:
         endpoint.close_episode(key)
-    return rate
+    return tokens / seconds
 
 
 async def main(args) -> None:
@@ -108,7 +129,7 @@ async def main(args) -> None:
     await direct(engine, prompts[: args.concurrency], args)  # warm-up, both sides
     await through_endpoint(endpoint, messages[: args.concurrency], args)
     print(f"backend={args.backend} requests={args.requests} concurrency={args.concurrency} "
-          f"max_tokens={args.max_tokens} load={os.getloadavg()[0]:.2f}")
+          f"max_tokens={args.max_tokens} client_process={args.client_process} load={os.getloadavg()[0]:.2f}")
     for repeat in range(args.repeats):
         d = await direct(engine, prompts, args)
         e = await through_endpoint(endpoint, messages, args)
@@ -124,4 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--client-process", action="store_true",
+                        help="the agents' SDK calls from a process of their own (their CPU off the clock's process)")
     asyncio.run(main(parser.parse_args()))
