@@ -776,6 +776,10 @@ class TrainerConfig(Section):
     """Ranks `flywheel serve trainer` starts on this node (ignored under torchrun or srun)."""
     collective_timeout_s: float = Field(1800.0, gt=0)
     """Deadline of one collective among ranks; ranks wait in one while rank 0 waits for a batch."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks compute: cpu (gloo between them) or cuda (local rank r on the r-th visible GPU, NCCL with
+    gloo beside it for host tensors). Set, never guessed from the host, so a config runs alike everywhere;
+    Megatron-Core runs on cuda whatever this says."""
 
 
 class FlywheelConfig(Section):
