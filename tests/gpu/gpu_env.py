@@ -1,0 +1,49 @@
+"""Where the GPU check runs: the device, the skips for what a machine lacks, and the test helpers' paths.
+
+FLYWHEEL_GPU_CHECK_DEVICE=cpu runs the checks whose logic can run on CPU (on the tiny shape), so the check itself
+is exercised before a GPU run, whose time is short; the rest skip with their reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+for helpers in ("tests/integration/weights", "tests/unit/trainer", "tests/gpu"):  # weights_harness, trainer_harness
+    if str(REPO / helpers) not in sys.path:
+        sys.path.insert(0, str(REPO / helpers))
+
+DEVICE = os.environ.get("FLYWHEEL_GPU_CHECK_DEVICE", "cuda")
+"""cuda (the real check) or cpu (a dry run of the check's own logic, tiny shapes)."""
+
+
+def cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def need_device() -> str:
+    """The device a check runs on; skips when it is cuda and there is none."""
+    if DEVICE == "cpu":
+        return "cpu"
+    if cuda_count() == 0:
+        pytest.skip("no CUDA device (FLYWHEEL_GPU_CHECK_DEVICE=cpu dry-runs the check's logic on CPU)")
+    return "cuda"
+
+
+def need_gpus(n: int) -> None:
+    """Skip unless CUDA shows at least `n` devices (never runs on CPU: NCCL, TP over GPUs)."""
+    have = cuda_count()
+    if have < n:
+        pytest.skip(f"needs {n} GPUs; this machine has {have}")
+
+
+def need_module(name: str, why: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed: {why}")
