@@ -12,10 +12,14 @@ WHEELS=${GPU_WHEELS:-wheels/gpu}
 if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON
 elif compgen -G "$WHEELS/*.whl" >/dev/null; then
-    [ -x .venv-gpu/bin/python ] || python3 -m venv --system-site-packages .venv-gpu
+    if [ ! -x .venv-gpu/bin/python ]; then  # a Python without ensurepip still makes one, pip-less
+        python3 -m venv --system-site-packages .venv-gpu || python3 -m venv --system-site-packages --without-pip .venv-gpu
+    fi
+    PIP=(.venv-gpu/bin/python -m pip)
+    .venv-gpu/bin/python -m pip --version >/dev/null 2>&1 || PIP=(python3 -m pip --python .venv-gpu/bin/python)
     # Dependencies are resolved (no --no-deps): pip checks every wheel's requirements against the machine's
     # packages and the carried ones, so a missing one fails here, by name, not as an import error in a stage.
-    .venv-gpu/bin/python -m pip install --quiet --no-index --find-links "$WHEELS" -r tests/gpu/requirements.txt
+    "${PIP[@]}" install --quiet --no-index --find-links "$WHEELS" -r tests/gpu/requirements.txt
     PY=.venv-gpu/bin/python
 else
     PY=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )

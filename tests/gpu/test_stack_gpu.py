@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 STEPS = int(os.environ.get("FLYWHEEL_GPU_CHECK_STEPS", "20" if DEVICE == "cuda" else "5"))
 DEVICE_OVERRIDES: list[str] = os.environ.get("FLYWHEEL_GPU_CHECK_STACK_OVERRIDES", "").split()
 """Extra `key=value` overrides for `flywheel up` (device placement); see the module docstring."""
-TIMEOUT_S = 170
+TIMEOUT_S = 140
 
 
 def test_flywheel_up_trains_20_steps_with_trainer_and_hf_rollout_on_the_gpu(tmp_path, figures):

@@ -92,7 +92,7 @@ def test_nccl_sync_on_one_gpu_fails_within_its_deadline_and_the_trainer_lives(fi
     from weights_harness import outcomes, spawn
 
     need_gpus(1)
-    deadline_s = 20.0
+    deadline_s = 10.0
     sender = subprocess.Popen([sys.executable, str(REPO / "tests" / "gpu" / "nccl_sender.py"), "--device", "cuda:0",
                                 "--timeout", str(deadline_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=REPO)
