@@ -1,7 +1,7 @@
 """Where the GPU check runs: the device, the skips for what a machine lacks, and the test helpers' paths.
 
-FLYWHEEL_GPU_CHECK_DEVICE=cpu runs the checks whose logic can run on CPU (on the tiny shape), so the check itself
-is exercised before a GPU run, whose time is short; the rest skip with their reason.
+FLYWHEEL_GPU_CHECK_DEVICE=cpu runs the checks whose logic can run on CPU (on the tiny shape), so the check
+itself is exercised before a GPU run, whose time is short; the rest skip with their reason.
 """
 
 from __future__ import annotations
@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-for helpers in ("tests/integration/weights", "tests/unit/trainer", "tests/gpu"):  # weights_harness, trainer_harness
+# weights_harness (receiver processes), trainer_harness (a step's batch, spawned ranks), this folder's helpers
+for helpers in ("tests/integration/weights", "tests/unit/trainer", "tests/gpu"):
     if str(REPO / helpers) not in sys.path:
         sys.path.insert(0, str(REPO / helpers))
+
+SLURM_NCCL_ENV = {**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+"""A trainer process's environment as deploy/slurm sets it: torch's NCCL watchdog tears the process down
+on a failed or timed-out collective (issue 32 item 3), the harshest setting for the checks that kill or refuse
+an NCCL peer."""
 
 DEVICE = os.environ.get("FLYWHEEL_GPU_CHECK_DEVICE", "cuda")
 """cuda (the real check) or cpu (a dry run of the check's own logic, tiny shapes)."""

@@ -1,4 +1,4 @@
-"""Which of a run's services hold GPU memory, as nvidia-smi sees it (an oracle outside the code under test)."""
+"""Which of a run's services hold GPU memory, as nvidia-smi sees it: an oracle outside the code tested."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def compute_apps() -> dict[int, int]:
     """pid -> MiB of GPU memory, for every process nvidia-smi lists; {} without nvidia-smi."""
     if not shutil.which("nvidia-smi"):
         return {}
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=20).stdout
+    query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
     apps = {}
     for line in out.splitlines():
         pid, _, mib = line.partition(",")
@@ -29,8 +29,8 @@ def memory_used_mib() -> int | None:
     """GPU 0's used memory in MiB, or None without nvidia-smi."""
     if not shutil.which("nvidia-smi"):
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                         capture_output=True, text=True, timeout=20).stdout.strip()
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+    out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
     return int(out) if out.isdigit() else None
 
 
@@ -58,7 +58,7 @@ class Watcher:
         self.services: dict[str, int] = {}
         """Service name -> the most MiB one of its processes held."""
         self.unattributed = 0
-        """Samples of GPU processes that belong to no service (another job, or a PID namespace hiding ours)."""
+        """Samples of GPU processes that belong to no service (another job; ours behind a PID namespace)."""
         self.peak_mib = 0
         self.period_s = period_s
         self._stop = threading.Event()

@@ -1,9 +1,10 @@
 """A trainer-side weight sender in its own process, for the GPU check's nccl checks (gloo on the CPU dry run).
 
-Prints {"store": host:port} once its store listens. Then for each round in `--rounds` ("w0" or "w1;w2": members,
-comma-separated, one round per `;`) it waits for a line on stdin (the caller has started that round's receivers),
-syncs weights_harness.make_state(round number) to them and prints the SyncResult as one JSON line. Exit code 0
-whenever every sync returned, whatever its outcome: a crash or a hang here is what the checks look for.
+Prints {"store": host:port} once its store listens. Then for each round in `--rounds` ("w0" or "w1;w2":
+members, comma-separated, one round per `;`) it waits for a line on stdin (the caller has started that round's
+receivers), syncs weights_harness.make_state(round number) to them and prints the SyncResult as one JSON line.
+Exit code 0 whenever every sync returned, whatever its outcome: a crash or a hang here is what the checks
+look for.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration" / "weights")]
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--backend", default="nccl", help="gloo (with --device cpu): the CPU dry run of the choreography")
+    p.add_argument("--backend", default="nccl", help="gloo (with --device cpu): the CPU dry run")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--rounds", default="w0")
     p.add_argument("--large-numel", type=int, default=300_000)

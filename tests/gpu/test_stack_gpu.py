@@ -1,8 +1,8 @@
 """Stage `stack`: `flywheel up` for 20 steps with the hf engine, trainer and rollout on the one GPU.
 
-It runs the command a user runs (NATS, Redis and the five services as processes, the toy task, the gloo weight
-channel), then checks that every step finished, that the reward is a number at each step, and, from nvidia-smi,
-which services held GPU memory: both the trainer and the rollout worker must.
+It runs the command a user runs (NATS, Redis and the five services as processes, the toy task, the gloo
+weight channel), then checks that every step finished, that the reward is a number at each step, and, from
+nvidia-smi, which services held GPU memory: both the trainer and the rollout worker must.
 
 DEVICE_OVERRIDES are the config keys that put the services on the GPU. On main (a0f62b5) `flywheel up` assigns
 no devices: the trainer takes cuda:0 by itself and the hf engine stays on the CPU, so this check fails on its
@@ -33,8 +33,8 @@ TIMEOUT_S = 140
 def test_flywheel_up_trains_20_steps_with_trainer_and_hf_rollout_on_the_gpu(tmp_path, figures):
     device = need_device()
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir), f"grpo.max_num_steps={STEPS}",
-            "checkpointing.enabled=false", "policy.generation.backend=hf",
+    argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
+            f"grpo.max_num_steps={STEPS}", "checkpointing.enabled=false", "policy.generation.backend=hf",
             *(["policy.precision=bfloat16"] if device == "cuda" else []), *DEVICE_OVERRIDES]
     figures["argv"] = argv[3:]
     start = time.monotonic()
@@ -49,13 +49,13 @@ def test_flywheel_up_trains_20_steps_with_trainer_and_hf_rollout_on_the_gpu(tmp_
 
     rows = read_metrics(run_dir)
     figures.update(_figures(rows), summary=[x for x in out.stdout.splitlines() if x.startswith("  ")][-6:],
-                   gpu_services_mib=gpu.services, gpu_peak_mib=gpu.peak_mib, gpu_baseline_mib=gpu.baseline_mib,
-                   unattributed_gpu_samples=gpu.unattributed)
-    assert out.returncode == 0, f"flywheel up exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+                   gpu_services_mib=gpu.services, gpu_peak_mib=gpu.peak_mib,
+                   gpu_baseline_mib=gpu.baseline_mib, unattributed_gpu_samples=gpu.unattributed)
+    assert out.returncode == 0, f"up exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert len(rows) == STEPS and all(math.isfinite(r["train/reward_mean"]) for r in rows)
     if device == "cuda":
         assert "trainer" in gpu.services, f"no trainer process held GPU memory (nvidia-smi): {gpu.services}"
-        assert "rollout" in gpu.services, f"the rollout worker never held GPU memory (nvidia-smi): {gpu.services}"
+        assert "rollout" in gpu.services, f"no rollout process held GPU memory (nvidia-smi): {gpu.services}"
 
 
 def _figures(rows: list[dict]) -> dict:
@@ -67,8 +67,8 @@ def _figures(rows: list[dict]) -> dict:
         return round(sum(values) / len(values), 4) if values else float("nan")
 
     return {"steps": len(rows), "mean_step_s": mean("timing/train/total_step_time"),
-            "mean_weight_sync_s": mean("timing/train/weight_sync"), "reward_first": rows[0]["train/reward_mean"],
-            "reward_last": rows[-1]["train/reward_mean"]}
+            "mean_weight_sync_s": mean("timing/train/weight_sync"),
+            "reward_first": rows[0]["train/reward_mean"], "reward_last": rows[-1]["train/reward_mean"]}
 
 
 def _logs(run_dir) -> str:

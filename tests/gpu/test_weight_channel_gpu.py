@@ -16,13 +16,13 @@ import time
 
 import pytest
 
-from gpu_env import DEVICE, REPO, cuda_count, need_device, need_gpus, need_module
+from gpu_env import DEVICE, REPO, SLURM_NCCL_ENV, cuda_count, need_device, need_gpus, need_module
 
 pytestmark = pytest.mark.gpu
 
 LARGE_NUMEL = 50_000_000 if DEVICE == "cuda" else 300_000
-"""One 200 MB float32 tensor beside 40 small ones of mixed dtypes on GPU (a GB/s figure worth reading); tiny on
-the CPU dry run."""
+"""One 200 MB float32 tensor beside 40 small ones of mixed dtypes on GPU (a GB/s figure worth reading); tiny
+on the CPU dry run."""
 TIMEOUT_S = 60.0
 
 
@@ -64,8 +64,8 @@ def test_filesystem_moves_gpu_weights_to_a_second_process_on_the_same_gpu(tmp_pa
 
 
 def test_nixl_moves_gpu_weights_to_a_second_process_on_the_same_gpu(tmp_path, figures):
-    need_module("nixl", "its CUDA wheels (nixl-cu12, nixl-cu13, over 100 MB installed each) do not fit the check's "
-                        "64 MiB carry of wheels; run this where nixl is installed")
+    need_module("nixl", "its CUDA wheels (nixl-cu12, nixl-cu13, over 100 MB installed each) do not fit the "
+                        "check's 64 MiB carry of wheels; run this where nixl is installed")
     _sync_two_versions("nixl", "cuda:0", tmp_path, figures)
 
 
@@ -93,8 +93,9 @@ def test_nccl_sync_on_one_gpu_fails_within_its_deadline_and_the_trainer_lives(fi
 
     need_gpus(1)
     deadline_s = 10.0
-    sender = subprocess.Popen([sys.executable, str(REPO / "tests" / "gpu" / "nccl_sender.py"), "--device", "cuda:0",
-                                "--timeout", str(deadline_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    argv = [sys.executable, str(REPO / "tests" / "gpu" / "nccl_sender.py"), "--device", "cuda:0",
+            "--timeout", str(deadline_s)]
+    sender = subprocess.Popen(argv, env=SLURM_NCCL_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=REPO)
     store = json.loads(sender.stdout.readline())["store"]
     receiver = spawn(store, "w0", backend="nccl", device="cuda:0", timeout_s=deadline_s + 10)
