@@ -56,7 +56,7 @@ def preflight() -> dict:
 
 def _env(report: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), *filter(None, [env.get("PYTHONPATH")])])
     if report is not None:
         env["FLYWHEEL_GPU_REPORT"] = str(report)
     return env
