@@ -56,7 +56,7 @@ def preflight() -> dict:
 
 def _env(report: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    # The machine has no network: every model is built from a config, so no hub call may even be tried (and wait).
+    # The GPU machine has no network, and every model here is built from a config: no hub call may be tried.
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), *filter(None, [env.get("PYTHONPATH")])])
     if report is not None:
