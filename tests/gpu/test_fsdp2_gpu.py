@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 
 import pytest
@@ -20,7 +21,9 @@ from shapes import QWEN2_05B, TINY, overrides
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = QWEN2_05B if DEVICE == "cuda" else TINY
+SHAPE = {"0.5b": QWEN2_05B, "tiny": TINY}[os.environ.get("FLYWHEEL_GPU_CHECK_SHAPE",
+                                                          "0.5b" if DEVICE == "cuda" else "tiny")]
+"""FLYWHEEL_GPU_CHECK_SHAPE=0.5b with the CPU dry run steps the full shape on CPU (minutes, ~10 GB of memory)."""
 
 
 def _config(*extra: str):
