@@ -7,6 +7,7 @@ itself is exercised before a GPU run, whose time is short; the rest skip with th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,15 @@ def need_gpus(n: int) -> None:
     have = cuda_count()
     if have < n:
         pytest.skip(f"needs {n} GPUs; this machine has {have}")
+
+
+def store_of(sender) -> str:
+    """The store address nccl_sender.py prints first; fails with its stderr if it died before that."""
+    line = sender.stdout.readline()
+    if not line:
+        sender.kill()
+        pytest.fail(f"the sender died before its store listened:\n{sender.stderr.read()[-2000:]}")
+    return json.loads(line)["store"]
 
 
 def need_module(name: str, why: str) -> None:

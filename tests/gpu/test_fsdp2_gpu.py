@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 SHAPE = {"0.5b": QWEN2_05B, "tiny": TINY}[os.environ.get("FLYWHEEL_GPU_CHECK_SHAPE",
                                                           "0.5b" if DEVICE == "cuda" else "tiny")]
-"""FLYWHEEL_GPU_CHECK_SHAPE=0.5b with the CPU dry run steps the full shape on CPU (minutes, ~10 GB of memory)."""
+"""FLYWHEEL_GPU_CHECK_SHAPE=0.5b: the CPU dry run steps the full shape (minutes, ~10 GB of memory)."""
 
 
 def _config(*extra: str):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from gpu_env import DEVICE, REPO, SLURM_NCCL_ENV, need_gpus, need_module
+from gpu_env import DEVICE, REPO, SLURM_NCCL_ENV, need_gpus, need_module, store_of
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def test_nccl_receiver_killed_mid_broadcast_is_dropped_and_the_next_sync_succeed
     deadline_s, numel = 20.0, 300_000
     backend, device = ("gloo", "cpu") if DRY else ("nccl", "cuda:1")
     sender = _sender("w1;w2", deadline_s, numel, bucket_bytes=512)  # a dozen packed buckets: ~12 s to unpack
-    store = json.loads(sender.stdout.readline())["store"]
+    store = store_of(sender)
     slow = spawn(store, "w1", backend=backend, device=device, sleep_per_bucket=1.0, large_numel=numel,
                  timeout_s=deadline_s + 10)
     sender.stdin.write("go\n")
