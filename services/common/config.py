@@ -21,6 +21,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.devices import config_problems
 from services.common.nemo_rl import translate
 
 
@@ -908,6 +909,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> tuple[Fly
     problems += refused
     try:
         cfg = FlywheelConfig.model_validate(tree)
+        problems += config_problems(cfg)  # device combinations no host can run (devices.py)
     except ValidationError as err:
         problems += _problems(err)
     if problems:
