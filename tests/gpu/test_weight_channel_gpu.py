@@ -71,13 +71,15 @@ def test_nixl_moves_gpu_weights_to_a_second_process_on_the_same_gpu(tmp_path, fi
 
 def test_config_check_refuses_nccl_between_processes_on_one_gpu(tmp_path, figures):
     """DESIGN.md, Devices: a combination that cannot work is refused when the config is checked, with the
-    alternative named. One GPU, trainer and one rollout worker, nccl: refused. (On the CPU dry run: no GPU at
-    all, which must be refused too.)"""
+    alternative named. One GPU, the trainer and one vLLM worker, nccl: refused (they would share the device).
+    The vLLM engine is named so that the refusal is the device rule's, not nccl-with-the-hf-engine's; checking
+    the config imports no vLLM. (On the CPU dry run: no GPU at all, which must be refused too.)"""
     if need_device() == "cuda" and cuda_count() > 1:
         pytest.skip("more than one GPU here: nccl between processes can work")
     # A file, not an override: `config check` reads its first argument as the config file.
     config = tmp_path / "nccl.yaml"
-    config.write_text("environments: [{name: toy, kind: toy_copy}]\nweight_sync: {backend: nccl}\n")
+    config.write_text("environments: [{name: toy, kind: toy_copy}]\nweight_sync: {backend: nccl}\n"
+                      "policy: {generation: {backend: vllm}}\n")
     out = subprocess.run([sys.executable, "-m", "services.cli", "config", "check", str(config)],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     figures.update(exit_code=out.returncode, message=(out.stdout + out.stderr).strip()[-600:])
