@@ -30,14 +30,14 @@ def _config(*extra: str):
     from trainer_harness import config
 
     return config(*overrides(SHAPE), "policy.precision=bfloat16", "policy.activation_checkpointing=true",
-                  "policy.max_total_sequence_length=256", *extra)
+                  "policy.max_total_sequence_length=256", f"trainer.device={DEVICE}", *extra)
 
 
 def _backend(cfg):
     from services.trainer.backends.fsdp2 import FSDP2Backend
-    from services.trainer.distributed import init_distributed
+    from services.trainer.distributed import init_distributed, trainer_device
 
-    return FSDP2Backend(cfg, init_distributed(600))
+    return FSDP2Backend(cfg, init_distributed(600, trainer_device(cfg)))
 
 
 def _local(t):

@@ -39,9 +39,9 @@ def megatron_config(tied: bool, precision: str = "float32", tp: int = 1):
 
 def build(cfg):
     from services.trainer.backends.megatron import MegatronBackend
-    from services.trainer.distributed import init_distributed
+    from services.trainer.distributed import init_distributed, trainer_device
 
-    return MegatronBackend(cfg, init_distributed(600))
+    return MegatronBackend(cfg, init_distributed(600, trainer_device(cfg)))
 
 
 def teardown_megatron() -> None:

@@ -89,8 +89,8 @@ def _fsdp2_tp2_rank(rank: int) -> None:
     from trainer_harness import config, step_batch
 
     cfg = config(*overrides(dict(TINY, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)),
-                 "policy.precision=bfloat16", "policy.tensor_parallel_size=2")
-    backend = FSDP2Backend(cfg, init_distributed(300))
+                 "policy.precision=bfloat16", "policy.tensor_parallel_size=2", "trainer.device=cuda")
+    backend = FSDP2Backend(cfg, init_distributed(300, "cuda"))
     metrics = backend.train_step(*step_batch(cfg))
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), metrics
     state = backend.full_state_dict()

@@ -34,7 +34,7 @@ def test_flywheel_up_trains_20_steps_with_the_trainer_on_the_gpu_and_hf_rollout_
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
             f"grpo.max_num_steps={STEPS}", "checkpointing.enabled=false", "policy.generation.backend=hf",
-            *(["policy.precision=bfloat16"] if device == "cuda" else []), *DEVICE_OVERRIDES]
+            *(["policy.precision=bfloat16", "trainer.device=cuda"] if device == "cuda" else []), *DEVICE_OVERRIDES]
     figures["argv"] = argv[3:]
     start = time.monotonic()
     with Watcher() as gpu:
