@@ -55,7 +55,7 @@ checkpointing: {{enabled: false}}
 
 def follow(stack: LocalStack) -> int:
     """`flywheel up`'s console loop; a build that spins forever fails here instead of hanging the suite."""
-    return asyncio.run(asyncio.wait_for(_follow(stack.cfg, stack.children), 480))
+    return asyncio.run(asyncio.wait_for(_follow(stack.cfg, stack.children), 300))
 
 
 def poisoned_total(stack: LocalStack) -> float:
