@@ -294,10 +294,10 @@ class Controller:
         """A group no delivery could run: counted, and a new prompt leased in its place, not the same one (it
         would fail again); past rollout.max_poisoned_groups the run stops."""
         p = types_pb2.PoisonedGroup.FromString(msg.data)
-        key = f"poisoned/{p.group_id}"
-        if self._group_id(key) in self.leased or self.fatal:  # announced twice: replaced already
-            return
         old = self.leased.pop(p.group_id, None)
+        if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it
+            _warn.warning("poisoned", "ignored a poisoned-group event for group %r, not leased", p.group_id[:64])
+            return
         self.poisoned += 1
         log.error("%s", poison.describe(p))
         self.fatal = poison.run_failure(self.poisoned, self.cfg.rollout, p)
@@ -305,7 +305,7 @@ class Controller:
             self.wake.set()
             return
         self.releases += 1
-        await self._lease(self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step), key)
+        await self._lease(max(self.trained_step + 1, old.target_step), f"poisoned/{p.group_id}")
 
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
