@@ -9,6 +9,10 @@ A poisoned prompt is not leased again in its place: it would fail the same way. 
 dataset's next epoch, where it is poisoned (and counted) again. The rule is a count, not a fraction, so that a
 run whose every group fails (a template that refuses every conversation) stops after a few groups, whatever its
 size; a dataset with more bad rows than the bound needs cleaning, or a larger bound (docs/reliability.md).
+
+An announcement counts only for a group the controller leased and has not replaced yet (main.py): a worker's
+repeated announcement, or a stray publisher's, neither counts nor stops the run. So neither does a group poisoned
+after its lease was forgotten (its step trained long before, from other groups).
 """
 
 from __future__ import annotations
