@@ -8,6 +8,7 @@
                                                                 the local run: newest live runs/*/, or --run-dir)
     flywheel eval [--config F] [--model M] [--data D] [--n N]  accuracy and pass@n of a model on a dataset
     flywheel config check|show [--config] F [key=value ...]     validate, or print the resolved config; runs nothing
+    flywheel data from-gym ROLLOUTS --to sft|dpo --out F.jsonl  NeMo Gym rollouts -> an SFT or DPO dataset
 
 Config is parsed and validated before any heavy import, so a bad key fails in well under a
 second with one line that names it (exit code 2).
@@ -129,6 +130,12 @@ def cmd_status(args) -> int:
     return status_command(args)
 
 
+def cmd_data(args) -> int:
+    from services.controller.data.from_gym import from_gym_command
+
+    return from_gym_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     run_finder(status)
     status.add_argument("--json", action="store_true", help="the raw StatusResponse")
     status.set_defaults(func=cmd_status)
+
+    data = sub.add_parser("data", help="make training data")
+    gym = data.add_subparsers(dest="action", required=True).add_parser(
+        "from-gym", help="NeMo Gym rollouts.jsonl -> SFT rows (high-reward rollouts) or DPO pairs (one prompt's best "
+        "vs worst), tool calls in OpenAI chat form; every rollout left out is printed with its reason")
+    gym.add_argument("rollouts", help="a rollouts.jsonl as NeMo Gym writes it")
+    gym.add_argument("--to", required=True, choices=("sft", "dpo"))
+    gym.add_argument("--out", required=True, help="the dataset to write (.jsonl), for data.train.data_path")
+    gym.add_argument("--min-reward", type=float, default=1.0, help="sft: keep rollouts with reward >= this")
+    gym.add_argument("--min-gap", type=float, default=0.5, help="dpo: pair a prompt's best and worst rollouts when "
+                     "their rewards differ by at least this")
+    data.set_defaults(func=cmd_data)
     return parser
 
 

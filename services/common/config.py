@@ -454,6 +454,18 @@ class VLLMConfig(Section):
     still has one receiver per worker (TP rank 0), which hands the weights to the other ranks."""
 
 
+class EndpointConfig(Section):
+    """The OpenAI-compatible API each rollout worker serves to agents (docs/agents.md)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    """Address it listens on: loopback unless configured. TLS follows security.tls_cert, as gRPC does."""
+    port: int = Field(0, ge=0, le=65535)
+    """0: a free port (each worker gets its own; open_episode hands out the URL)."""
+    max_calls: int = Field(1024, gt=0)
+    """Calls one episode may make at most."""
+
+
 class GenerationConfig(Section):
     """NeMo RL `policy.generation`."""
 
@@ -466,6 +478,7 @@ class GenerationConfig(Section):
     stop_token_ids: list[int] | None = None
     """Token ids that end a completion besides EOS (kept in the output); null: none."""
     vllm_cfg: VLLMConfig = VLLMConfig()
+    endpoint: EndpointConfig = EndpointConfig()
     vllm_kwargs: dict[str, Any] = {}
     """More vLLM engine arguments (AsyncEngineArgs fields, e.g. max_num_batched_tokens, compilation_config), passed
     as they are; the vLLM engine refuses one it does not know or one that Flywheel sets from another key."""
@@ -769,6 +782,10 @@ class TrainerConfig(Section):
     """Ranks `flywheel serve trainer` starts on this node (ignored under torchrun or srun)."""
     collective_timeout_s: float = Field(1800.0, gt=0)
     """Deadline of one collective among ranks; ranks wait in one while rank 0 waits for a batch."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks compute: cpu (gloo between them) or cuda (local rank r on the r-th visible GPU, NCCL with
+    gloo beside it for host tensors). Set, never guessed from the host, so a config runs alike everywhere;
+    Megatron-Core runs on cuda whatever this says."""
 
 
 class FlywheelConfig(Section):

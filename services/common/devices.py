@@ -41,7 +41,7 @@ class Demand:
     """The GPU processes a config asks for on one host."""
 
     trainer_ranks: int
-    """trainer.nproc_per_node: one device each."""
+    """trainer.nproc_per_node: one device each; 0 when the trainer computes on CPU (trainer.device)."""
     rollout_workers: int
     rollout_gpus: int
     """Devices per rollout worker: vLLM's tensor_parallel_size; 0 for the hf engine, which samples on CPU."""
@@ -56,7 +56,8 @@ class Demand:
 def demand_of(cfg: FlywheelConfig) -> Demand:
     gen = cfg.policy.generation
     vllm = gen.backend == "vllm"
-    return Demand(trainer_ranks=cfg.trainer.nproc_per_node, rollout_workers=cfg.rollout.num_workers,
+    on_gpu = cfg.trainer.device == "cuda" or cfg.policy.megatron_cfg.enabled  # trainer_device's rule
+    return Demand(trainer_ranks=cfg.trainer.nproc_per_node if on_gpu else 0, rollout_workers=cfg.rollout.num_workers,
                   rollout_gpus=gen.vllm_cfg.tensor_parallel_size if vllm else 0,
                   vllm_memory=gen.vllm_cfg.gpu_memory_utilization if vllm else 0.0,
                   reward_model=cfg.uses_reward_model, nccl=cfg.weight_sync.backend == "nccl")
@@ -77,7 +78,7 @@ class Plan:
             return None
         if name in self.devices:
             return ",".join(self.devices[name])
-        return "" if name.startswith("rollout-") else None
+        return "" if name == "trainer" or name.startswith("rollout-") else None
 
     def sharing(self) -> dict[str, list[str]]:
         """Device -> the processes placed on it, for the devices that hold more than one."""
@@ -97,7 +98,8 @@ class Plan:
             return "devices: no GPU on this host: every service runs on CPU"
         placed = "; ".join(f"{n} GPU {','.join(d)}" for n, d in self.devices.items())
         shared = "".join(f" [{d} shared by {', '.join(n)}]" for d, n in self.sharing().items())
-        return f"devices on {len(self.gpus)} GPU(s): {placed or 'none used'}{shared}"
+        cpu = "" if "trainer" in self.devices else " (the trainer computes on CPU: set trainer.device=cuda for a GPU)"
+        return f"devices on {len(self.gpus)} GPU(s): {placed or 'none used'}{shared}{cpu}"
 
 
 def plan(demand: Demand, gpus: list[str] | tuple[str, ...]) -> Plan:
@@ -107,7 +109,8 @@ def plan(demand: Demand, gpus: list[str] | tuple[str, ...]) -> Plan:
         return Plan(gpus=gpus)
     devices: dict[str, tuple[str, ...]] = {}
     trainer = gpus[:demand.trainer_ranks]
-    devices["trainer"] = trainer
+    if trainer:
+        devices["trainer"] = trainer
     rest = gpus[len(trainer):]
     pool = rest if len(rest) >= max(demand.rollout_gpus, 1) else gpus
     slot = 0
@@ -147,9 +150,14 @@ def placement_problems(d: Demand, p: Plan) -> list[Problem]:
 
 def config_problems(cfg: FlywheelConfig) -> list[Problem]:
     """What cannot work on any host: config.load reports these with the schema's errors."""
-    if cfg.weight_sync.backend == "nccl" and cfg.policy.generation.backend == "hf":
+    if cfg.weight_sync.backend != "nccl":
+        return []
+    if cfg.policy.generation.backend == "hf":
         return [("weight_sync.backend", "nccl moves CUDA tensors, and the hf engine samples on CPU "
                  "(services/rollout/engines/hf.py); use gloo or filesystem, or policy.generation.backend=vllm")]
+    if cfg.trainer.device != "cuda" and not cfg.policy.megatron_cfg.enabled:
+        return [("weight_sync.backend", "nccl moves CUDA tensors, and the trainer computes on CPU "
+                 "(trainer.device=cpu); set trainer.device=cuda, or use gloo or filesystem")]
     return []
 
 
@@ -170,6 +178,8 @@ def _memory_problems(d: Demand, p: Plan) -> list[Problem]:
 def _nccl_problems(p: Plan) -> list[Problem]:
     """The weight channel's NCCL communicator holds trainer rank 0 and each rollout worker's first device; NCCL
     refuses a communicator with two ranks on one device."""
+    if "trainer" not in p.devices:
+        return []  # a CPU trainer: config_problems refuses nccl for it on any host
     members = [("trainer", p.devices["trainer"][0])]
     members += [(n, devs[0]) for n, devs in p.devices.items() if n.startswith("rollout-")]
     seen: dict[str, str] = {}

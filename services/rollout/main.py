@@ -188,6 +188,8 @@ class RolloutWorker:
                                     max_prompt_len=cfg.data.max_input_seq_length,
                                     step_timeout_s=cfg.rollout.step_timeout_s)
         self._announcements: asyncio.Queue = asyncio.Queue()
+        self.endpoint = None
+        """The worker's EndpointServer when policy.generation.endpoint.enabled (agents call it)."""
 
     @property
     def version(self) -> int:
@@ -381,10 +383,25 @@ async def serve(cfg: FlywheelConfig) -> None:
     log.info("%s engine ready in %.2fs", cfg.policy.generation.backend, time.perf_counter() - t0)
     bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="rollout")
     worker = RolloutWorker(cfg, engine, bus, worker_id)
+    worker.endpoint = await start_endpoint(cfg, engine, worker_id)
     try:
         await run_service("rollout", cfg.addresses.rollout,
                           lambda server: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
                               RolloutServicer(worker), server), worker.run, security=cfg.security)
     finally:
+        if worker.endpoint is not None:
+            await worker.endpoint.stop()
         await bus.close()
         await engine.close()
+
+
+async def start_endpoint(cfg: FlywheelConfig, engine: Engine, worker_id: str):
+    """The OpenAI-compatible endpoint (policy.generation.endpoint), or None. Agent environments open and close
+    episodes on it through worker.endpoint (open_episode / close_episode); docs/agents.md."""
+    if not cfg.policy.generation.endpoint.enabled:
+        return None
+    from services.rollout.endpoint.server import EndpointServer
+
+    endpoint = EndpointServer(cfg, engine, worker_id, tool_parser=getattr(cfg.policy.generation, "tool_parser", None))
+    await endpoint.start()
+    return endpoint

@@ -12,9 +12,9 @@ import pytest
 
 from services.cli import main
 from services.common.config import ConfigError, load_config
-from services.common.devices import checked_plan, demand_of, device_env, host_gpus, problems, visible_list
+from services.common.devices import checked_plan, demand_of, device_env, host_gpus, plan, problems, visible_list
 
-VLLM = ["policy.generation.backend=vllm"]
+VLLM = ["policy.generation.backend=vllm", "trainer.device=cuda"]
 
 
 def cfg_of(*overrides: str):
@@ -69,11 +69,11 @@ def test_one_gpu_time_shares_trainer_and_rollout_with_gloo_and_refuses_nccl():
 
 
 def test_each_trainer_rank_and_each_tp_rank_needs_a_gpu_of_its_own():
-    ranks = keys("trainer.nproc_per_node=3", gpus=2)
+    ranks = keys("trainer.nproc_per_node=3", "trainer.device=cuda", gpus=2)
     assert "3 ranks need a GPU each" in ranks["trainer.nproc_per_node"] and "<= 2" in ranks["trainer.nproc_per_node"]
     tp = keys(*VLLM, "policy.generation.vllm_cfg.tensor_parallel_size=4", gpus=2)
     assert "<= 2" in tp["policy.generation.vllm_cfg.tensor_parallel_size"]
-    assert keys("trainer.nproc_per_node=2", gpus=2) == {}
+    assert keys("trainer.nproc_per_node=2", "trainer.device=cuda", gpus=2) == {}
 
 
 def test_a_cpu_host_leaves_every_environment_unchanged_and_refuses_nccl():
@@ -87,7 +87,7 @@ def test_a_cpu_host_leaves_every_environment_unchanged_and_refuses_nccl():
 
 
 def test_the_hf_engine_samples_on_cpu_so_its_workers_see_no_gpu():
-    p = checked_plan(cfg_of("rollout.num_workers=2"), ["0", "1"])
+    p = checked_plan(cfg_of("rollout.num_workers=2", "trainer.device=cuda"), ["0", "1"])
     assert p.devices == {"trainer": ("0",)}
     assert device_env(p, "rollout-1", {}) == {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert device_env(p, "controller", {}) == {}  # it never imports torch
@@ -136,3 +136,13 @@ def test_config_check_refuses_what_this_host_cannot_run_and_prints_the_placement
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert main(["config", "check", str(config), *VLLM, "weight_sync.backend=nccl"]) == 0
     assert "trainer GPU 0; rollout-0 GPU 1" in capsys.readouterr().out
+
+
+def test_a_cpu_trainer_takes_no_gpu_is_hidden_from_them_and_cannot_send_over_nccl():
+    plan_ = plan(demand_of(cfg_of("policy.generation.backend=vllm", "rollout.num_workers=2")), ["0", "1"])
+
+    assert "trainer" not in plan_.devices and plan_.visible("trainer") == ""
+    assert [plan_.devices[f"rollout-{i}"] for i in range(2)] == [("0",), ("1",)]
+    assert "set trainer.device=cuda" in plan_.describe()
+    with pytest.raises(ConfigError, match=r"the trainer computes on CPU \(trainer.device=cpu\)"):
+        load_config(None, ["policy.generation.backend=vllm", "weight_sync.backend=nccl"])

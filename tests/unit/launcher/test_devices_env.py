@@ -8,15 +8,16 @@ so the children run their CPU code whatever they are shown. Each child's environ
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from services.common.config import ConfigError, load_config
-from services.common.devices import checked_plan
+from services.common.devices import checked_plan, demand_of, plan
 from services.local import INFRA, LocalStack, _serving, run_local
 
-VLLM_NCCL = ["policy.generation.backend=vllm", "weight_sync.backend=nccl"]
+VLLM_NCCL = ["policy.generation.backend=vllm", "weight_sync.backend=nccl", "trainer.device=cuda"]
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -53,9 +54,11 @@ def test_on_one_gpu_rollout_starts_once_the_trainer_serves(tmp_path, monkeypatch
     # vLLM would count the trainer's model load, were it at the same moment on the same GPU, against its own
     # memory. Without the wait, start_services returns milliseconds after spawning the trainer, long before
     # it imports torch and serves.
+    # The plan of a one-GPU host with the trainer on it (trainer.device=cuda), while this CPU host's trainer
+    # computes on CPU: it starts and serves here, with CUDA_VISIBLE_DEVICES=0 in its environment.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     cfg = load_config(None, ["policy.generation.backend=vllm", "checkpointing.enabled=false"])
-    devices = checked_plan(cfg)
+    devices = plan(replace(demand_of(cfg), trainer_ranks=1), ["0"])
     assert devices.rollout_shares_the_trainers()
     with LocalStack(cfg, tmp_path, devices) as stack:
         stack.start_services()
