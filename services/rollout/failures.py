@@ -2,7 +2,8 @@
 
     environment gone (NOT_FOUND)              ──▶ GONE:      announced stale, dropped (the controller replaces it)
     broker or environment outage (transient)  ──▶ HAND_BACK: nak after hand_back_delay, for as long as it lasts
-    any other error, delivery < bound         ──▶ HAND_BACK
+    any other error (an environment's INTERNAL
+    or UNKNOWN included), delivery < bound    ──▶ HAND_BACK
     any other error, delivery >= bound        ──▶ POISON:    dropped, counted, announced (PoisonedGroup)
 
 The delivery count is JetStream's (`msg.metadata.num_delivered`), so it survives a worker's restart and counts
@@ -24,9 +25,14 @@ POISON = "poison"
 MAX_ERROR_CHARS = 500
 
 
+OUTAGE = RETRIED - {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+"""gRPC codes of an outage. INTERNAL and UNKNOWN are not one: the server ran the request and broke on it (an
+environment that raised), so the same group breaks the same way on every delivery and counts toward the bound."""
+
+
 def transient(err: Exception) -> bool:
     """A busy or restarting broker or environment service: expected, and the group is run again."""
-    return isinstance(err, nats.errors.Error) or (isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRIED)
+    return isinstance(err, nats.errors.Error) or (isinstance(err, grpc.aio.AioRpcError) and err.code() in OUTAGE)
 
 
 def fate(err: Exception, deliveries: int, max_failures: int) -> str:

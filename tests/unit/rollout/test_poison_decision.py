@@ -29,11 +29,17 @@ def test_an_error_no_redelivery_fixes_is_handed_back_until_the_bound(deliveries,
     assert fate(ValueError("tokenizer.chat_template is not set"), deliveries, max_failures=3) == expected
 
 
-@pytest.mark.parametrize("err", [rpc_error(grpc.StatusCode.UNAVAILABLE), rpc_error(grpc.StatusCode.INTERNAL),
+@pytest.mark.parametrize("err", [rpc_error(grpc.StatusCode.UNAVAILABLE), rpc_error(grpc.StatusCode.CANCELLED),
                                  rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED), nats.errors.TimeoutError()],
-                         ids=["unavailable", "internal", "deadline", "nats"])
+                         ids=["unavailable", "cancelled", "deadline", "nats"])
 def test_an_outage_is_handed_back_however_often_it_was_delivered(err):
     assert fate(err, 1000, max_failures=3) == HAND_BACK
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
+def test_an_environment_that_broke_on_the_group_counts_toward_the_bound(code):
+    assert fate(rpc_error(code), 2, max_failures=3) == HAND_BACK
+    assert fate(rpc_error(code), 3, max_failures=3) == POISON
 
 
 def test_a_refused_request_counts_and_a_gone_environment_is_gone():
