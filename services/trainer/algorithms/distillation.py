@@ -63,7 +63,11 @@ class DistillationLossConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DistillationInputs:
-    """One micro-batch of B rows padded to T target tokens, with the teacher's top-k at each."""
+    """One micro-batch of B rows padded to T target tokens, with the teacher's top-k at each.
+
+    Padding positions are masked by multiplication, as NeMo RL does, so they must still hold finite
+    logits and valid token ids (zeros will do): a -inf there would turn the loss into NaN.
+    """
 
     teacher_topk_logits: Tensor
     """[B, T, k] float: the teacher's k largest logits at each position, before temperature."""
