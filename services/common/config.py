@@ -583,8 +583,8 @@ class EnvironmentSpec(Section):
 
     name: str = Field(min_length=1)
     kind: str = ""
-    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy, reward_model: env.reward_model's
-    server); empty when `address` is set."""
+    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy, tool_add, reward_model:
+    env.reward_model's server); empty when `address` is set."""
     address: str = ""
     """host:port of a remote EnvironmentService; empty for built-ins."""
     dataset: str = ""

@@ -67,8 +67,9 @@ def template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
-                                     for c in m["tool_calls"]]}
+            calls = [{**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
+                     for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
         out.append(m)
     return out
 
