@@ -3,8 +3,9 @@
 A message dict is OpenAI's: {"role", "content"} plus, where set, "tool_calls" (assistant: [{"id", "type":
 "function", "function": {"name", "arguments": JSON text}}]), "tool_call_id" and "name" (role "tool"). Unset
 fields are left out, so a plain message stays {"role", "content"} as before tools existed. A tool definition
-dict is an entry of OpenAI's `tools`: {"type": "function", "function": {"name", "description", "parameters"}}.
-Pure: no torch, no network.
+dict is an entry of OpenAI's `tools`: {"type": "function", "function": {"name", "description", "parameters"}};
+its JSON Schema travels as text (FunctionDefinition.parameters_json), so its key order survives. Pure: no torch,
+no network.
 """
 
 from __future__ import annotations
@@ -46,10 +47,33 @@ def arguments_text(arguments: object) -> str:
 
 
 def tools_to_dicts(tools) -> list[dict]:
-    """Repeated ToolDefinition -> OpenAI's `tools` list (the JSON Schema's integers come back as floats)."""
-    return [json_format.MessageToDict(t, preserving_proto_field_name=True) for t in tools]
+    """Repeated ToolDefinition -> OpenAI's `tools` list."""
+    out = []
+    for t in tools:
+        function: dict = {"name": t.function.name}
+        if t.function.description:
+            function["description"] = t.function.description
+        if t.function.parameters_json:
+            function["parameters"] = json.loads(t.function.parameters_json)
+        if t.function.strict:
+            function["strict"] = True
+        out.append({"type": t.type or "function", "function": function})
+    return out
 
 
 def tool_from_dict(d: dict) -> types_pb2.ToolDefinition:
     """One OpenAI `tools` entry; json_format.ParseError names an unknown or mistyped field."""
-    return json_format.ParseDict(d, types_pb2.ToolDefinition())
+    function = d.get("function")
+    if not isinstance(function, dict):
+        raise json_format.ParseError("a tool needs a function object: {type, function: {name, parameters}}")
+    schema = function.get("parameters")
+    text = {} if schema is None else {"parameters_json": json.dumps(schema, ensure_ascii=False)}
+    body = {k: v for k, v in function.items() if k != "parameters"}
+    return json_format.ParseDict({**d, "function": {**body, **text}}, types_pb2.ToolDefinition())
+
+
+def dataset_row(row: dict) -> types_pb2.DatasetRow:
+    """A row dict ({"messages", "metadata", "tools"}) as the proto; json_format.ParseError names a bad field."""
+    out = json_format.ParseDict({k: v for k, v in row.items() if k != "tools"}, types_pb2.DatasetRow())
+    out.tools.extend(tool_from_dict(t) for t in row.get("tools") or [])
+    return out

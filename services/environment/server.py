@@ -17,13 +17,12 @@ import asyncio
 import re
 import time
 
-from google.protobuf import json_format
 from opentelemetry import trace
 
 from services.common.config import REWARD_MODEL
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
+from services.common.messages import dataset_row, message_from_dict, message_to_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
-from services.common.messages import message_from_dict, message_to_dict
 from services.common.structs import from_struct, to_struct
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
 from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
@@ -60,7 +59,7 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
 
 def _prompts(env: Environment, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
     rows = env.prompts(request.count, request.seed, request.offset) or []
-    return environment_pb2.PromptsResponse(rows=[json_format.ParseDict(r, types_pb2.DatasetRow()) for r in rows])
+    return environment_pb2.PromptsResponse(rows=[dataset_row(r) for r in rows])
 
 
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):

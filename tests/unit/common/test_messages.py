@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
-from services.common.messages import message_from_dict, message_to_dict, tool_from_dict, tools_to_dicts
+from services.common.messages import dataset_row, message_from_dict, message_to_dict, tool_from_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import environment_pb2, types_pb2
 from services.controller.data.rows import RowError, Templates, to_row
 
@@ -46,6 +46,15 @@ def test_tool_definitions_round_trip_with_their_json_schema():
     assert back == TOOLS
 
 
+def test_a_schemas_key_order_survives_the_wire():
+    """Chat templates render the schema in its own order: b before a must stay b before a."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {k: {"type": "integer"} for k in "zyxbaq"}}}}
+    back = tools_to_dicts(types_pb2.PromptGroup.FromString(
+        types_pb2.PromptGroup(tools=[tool_from_dict(tool)]).SerializeToString()).tools)
+    assert list(back[0]["function"]["parameters"]["properties"]) == list("zyxbaq")
+
+
 def test_an_unknown_field_in_a_tool_definition_is_refused():
     with pytest.raises(json_format.ParseError, match="parameterz"):
         tool_from_dict({"type": "function", "function": {"name": "add", "parameterz": {}}})
@@ -53,7 +62,7 @@ def test_an_unknown_field_in_a_tool_definition_is_refused():
 
 def test_an_openai_format_dataset_row_keeps_its_tools_and_tool_turns():
     record = {"messages": [*EPISODE, {"role": "assistant", "content": "7 and 2"}], "tools": TOOLS}
-    row = json_format.ParseDict(to_row(record, None, None, Templates()), types_pb2.DatasetRow())
+    row = types_pb2.DatasetRow.FromString(dataset_row(to_row(record, None, None, Templates())).SerializeToString())
     assert [message_to_dict(m) for m in row.messages] == [
         {k: v for k, v in m.items() if v is not None} | {"content": m["content"] or ""} for m in EPISODE]
     assert tools_to_dicts(row.tools) == TOOLS

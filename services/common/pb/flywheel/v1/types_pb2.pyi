@@ -58,16 +58,16 @@ class ToolDefinition(_message.Message):
     def __init__(self, type: _Optional[str] = ..., function: _Optional[_Union[FunctionDefinition, _Mapping]] = ...) -> None: ...
 
 class FunctionDefinition(_message.Message):
-    __slots__ = ("name", "description", "parameters", "strict")
+    __slots__ = ("name", "description", "parameters_json", "strict")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
-    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
-    parameters: _struct_pb2.Struct
+    parameters_json: str
     strict: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_strings")
