@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup up test proto lint
+.PHONY: setup up test proto lint gpu-check
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ up: setup
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
 test: setup
 	tests/with_system_tools.sh $(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
+
+# The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.
+# Installs the wheels carried in wheels/gpu first, if any; ARGS go to tests/gpu/run.py (--only, --timeout).
+gpu-check:
+	tests/gpu/check.sh $(ARGS)
 
 proto: setup
 	$(PY) -m services.common.protogen

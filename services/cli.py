@@ -8,6 +8,7 @@
                                                                 the local run: newest live runs/*/, or --run-dir)
     flywheel eval [--config F] [--model M] [--data D] [--n N]  accuracy and pass@n of a model on a dataset
     flywheel config check|show [--config] F [key=value ...]     validate, or print the resolved config; runs nothing
+    flywheel data from-gym ROLLOUTS --to sft|dpo --out F.jsonl  NeMo Gym rollouts -> an SFT or DPO dataset
 
 Config is parsed and validated before any heavy import, so a bad key fails in well under a
 second with one line that names it (exit code 2).
@@ -22,6 +23,7 @@ import logging
 import sys
 
 from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
+from services.common.devices import checked_plan
 from services.common.errors import RUN_FAILED_EXIT, RunFailed
 from services.common.logs import setup_logging
 
@@ -73,11 +75,13 @@ def cmd_up(args) -> int:
 def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     """data.* read and checked (a bad file or row stops here, before anything starts), trackers and the tool parser
     importable, grpo.max_num_steps bounded by grpo.max_num_epochs; each decision printed."""
+    from services.common.chat_template import check_chat_template
     from services.controller.data import DataError, plan_config
     from services.controller.tracking import TrackerError, check_trackers
 
     cfg.policy.generation.check_tool_parser()
     try:
+        check_chat_template(cfg.policy)
         check_trackers(cfg)
         cfg, lines = plan_config(cfg)
     except DataError as err:
@@ -110,6 +114,7 @@ def cmd_config(args) -> int:
     for key, why in notes:
         print(f"note: {key}: {why}")
     _planned(cfg)
+    print(checked_plan(cfg).describe())  # the devices `flywheel up` would give each process here
     print(f"{path or 'the embedded default'}: ok ({len(notes)} keys accepted without effect)")
     return 0
 
@@ -124,6 +129,12 @@ def cmd_status(args) -> int:
     from services.controller.client import status_command
 
     return status_command(args)
+
+
+def cmd_data(args) -> int:
+    from services.controller.data.from_gym import from_gym_command
+
+    return from_gym_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     run_finder(status)
     status.add_argument("--json", action="store_true", help="the raw StatusResponse")
     status.set_defaults(func=cmd_status)
+
+    data = sub.add_parser("data", help="make training data")
+    gym = data.add_subparsers(dest="action", required=True).add_parser(
+        "from-gym", help="NeMo Gym rollouts.jsonl -> SFT rows (high-reward rollouts) or DPO pairs (one prompt's best "
+        "vs worst), tool calls in OpenAI chat form; every rollout left out is printed with its reason")
+    gym.add_argument("rollouts", help="a rollouts.jsonl as NeMo Gym writes it")
+    gym.add_argument("--to", required=True, choices=("sft", "dpo"))
+    gym.add_argument("--out", required=True, help="the dataset to write (.jsonl), for data.train.data_path")
+    gym.add_argument("--min-reward", type=float, default=1.0, help="sft: keep rollouts with reward >= this")
+    gym.add_argument("--min-gap", type=float, default=0.5, help="dpo: pair a prompt's best and worst rollouts when "
+                     "their rewards differ by at least this")
+    data.set_defaults(func=cmd_data)
     return parser
 
 

@@ -18,13 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
+from services.common.devices import Plan, checked_plan, device_env
 from services.common.errors import RUN_FAILED_EXIT
 from services.common.infra import Server, child_env, die_with_parent, free_port, start_nats, start_redis
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import types_pb2
 from services.common.security import secret_env, with_local_credentials
+from services.common.server import channel
 
 START_ORDER = ("environment", "replay", "controller", "trainer", "rollout")
 INFRA = ("nats", "redis")
@@ -72,6 +77,8 @@ class Children:
         self.procs: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
         """Extra environment of every service: the run's credentials."""
+        self.devices = Plan(gpus=())
+        """Which GPUs each child sees (CUDA_VISIBLE_DEVICES); the empty plan leaves every child's as it is."""
         self.spawners: dict[str, Callable[[], subprocess.Popen]] = {}
         self.metrics_ports: dict[str, int] = {}
         """Prometheus /metrics port of each service."""
@@ -83,9 +90,9 @@ class Children:
         argv = [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config), *overrides,
                 f"telemetry.metrics_port={self.metrics_ports[name]}"]
         log = self.run_dir / "logs" / f"{name}.log"
+        env = child_env(self.env | device_env(self.devices, name))
         self.adopt(name, lambda: subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT,
-                                                  env=child_env(self.env), start_new_session=True,
-                                                  preexec_fn=die_with_parent))
+                                                  env=env, start_new_session=True, preexec_fn=die_with_parent))
 
     def adopt(self, name: str, spawn: Callable[[], subprocess.Popen], running: subprocess.Popen | None = None) -> None:
         """Supervise `running` (or what `spawn` starts now); `spawn` is called again for each restart."""
@@ -187,10 +194,11 @@ def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Pat
 class LocalStack:
     """NATS, Redis and every service on loopback; a context manager that stops them all."""
 
-    def __init__(self, cfg: FlywheelConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: FlywheelConfig, run_dir: Path, devices: Plan | None = None) -> None:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.children = Children(run_dir, max_restarts=cfg.run.max_restarts, window_s=cfg.run.restart_window_s)
+        self.children.devices = devices or Plan(gpus=())
         security = with_local_credentials(cfg.security)  # handed to children in the environment, not config.yaml
         # A restarted broker comes back on the same port and data directory (JetStream on disk, Redis AOF).
         self.nats = start_nats(run_dir / "nats", log_file=(logs / "nats.log").open("a"),
@@ -217,9 +225,24 @@ class LocalStack:
         for service in START_ORDER:
             if service != "rollout":
                 self.children.start(service, service, self.config_path)
+        if self.children.devices.rollout_shares_the_trainers():
+            # vLLM counts whatever else grows on its GPU while it starts as its own (vllm/utils/mem_utils.py,
+            # memory_profiling), and sizes its KV cache by that: let the trainer load its model first.
+            self.wait_serving("trainer")
         for i in range(self.cfg.rollout.num_workers):
             extra = [] if i == 0 else [f"addresses.rollout=127.0.0.1:{free_port()}"]
             self.children.start(f"rollout-{i}", "rollout", self.config_path, extra)
+
+    def wait_serving(self, service: str, timeout_s: float = 900) -> None:
+        """Until `service` answers its gRPC health check SERVING; raises if a child dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not asyncio.run(_serving(service, getattr(self.cfg.addresses, service), self.cfg.security)):
+            failure = self.children.supervise()
+            if failure:
+                raise RuntimeError(failure)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service} did not serve within {timeout_s:.0f} s; see its log")
+            time.sleep(0.5)
 
     def wait_for(self, done: Callable[[list[dict]], bool], what: str, timeout_s: float) -> list[dict]:
         """Metrics rows once `done(rows)`; raises if a service dies or `timeout_s` passes first."""
@@ -245,15 +268,26 @@ class LocalStack:
         self.stop()
 
 
+async def _serving(service: str, address: str, security) -> bool:
+    async with channel(address, security=security) as ch:
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=f"flywheel.v1.{service}"), timeout=2)
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | None, resume: bool = False) -> int:
     """`resume`: start again on a stopped run's directory; JetStream, Redis (AOF), the controller's KV state
     and the trainer's latest checkpoint there carry the run on (tests/integration/test_math_e2e_resume.py)."""
+    devices = checked_plan(cfg)  # before anything starts: a device combination that cannot work stops here
     run_dir = _fresh_run_dir(run_dir_arg or cfg.run.run_dir or None, resume)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
-    with LocalStack(cfg, run_dir) as stack:
+    with LocalStack(cfg, run_dir, devices) as stack:
         cfg = stack.cfg
         print(f"flywheel up: run dir {run_dir}\n  nats {stack.nats.url}  redis {stack.redis.url}  "
-              f"controller {cfg.addresses.controller}", flush=True)
+              f"controller {cfg.addresses.controller}\n  {devices.describe()}", flush=True)
         try:
             stack.start_services()
             code = asyncio.run(_follow(cfg, stack.children))
@@ -273,6 +307,7 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
         await reports.put(types_pb2.StepReport.FromString(msg.data))
 
     await bus.nc.subscribe(bus.subjects.train_step, cb=on_step)
+    await bus.nc.subscribe(bus.subjects.poisoned, cb=_poison_printer())
     started = time.monotonic()
     try:
         while True:
@@ -298,6 +333,21 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
                 return 0
     finally:
         await bus.close()
+
+
+def _poison_printer() -> Callable:
+    """Prints one line per poisoned group (rollout gave up on it: rollout.max_group_failures) with its error; a
+    group announced twice (a worker's retried publish) once."""
+    seen: set[str] = set()
+
+    async def on_poisoned(msg) -> None:
+        p = types_pb2.PoisonedGroup.FromString(msg.data)
+        if p.group_id not in seen:
+            seen.add(p.group_id)
+            print(f"poisoned: prompt {p.prompt_id} ({p.env_name}) failed on delivery {p.deliveries} and was "
+                  f"dropped (rollout.max_group_failures): {p.error}", file=sys.stderr, flush=True)
+
+    return on_poisoned
 
 
 def _early_exit(cfg: FlywheelConfig) -> str:

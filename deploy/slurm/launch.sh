@@ -256,6 +256,8 @@ start trainer srun --het-group=1 --nodes="$TRAINER_NODES" --ntasks-per-node="$TR
 # --- group 2: rollout, one worker per task (on a GPU job, vllm_cfg.tensor_parallel_size GPUs each) ---
 ROLLOUT=(srun --het-group=2 --unbuffered)
 (( GPUS )) && ROLLOUT+=(--gpus-per-task="$ROLLOUT_TP")
+export FLYWHEEL_ROLLOUT_TP=$ROLLOUT_TP   # rollout_task.sh takes its slice where Slurm binds no GPUs per task
+[[ "$DRY_RUN" == 1 ]] && printf 'FLYWHEEL_ROLLOUT_TP=%s\n' "$FLYWHEEL_ROLLOUT_TP" >> "$RUN_DIR/launch_env.txt"
 if [[ -n "${FLYWHEEL_ROLLOUT_PER_NODE:-}" ]]; then  # GPUs (CPU job: workers) per node; a worker takes TP GPUs
   per_node=$FLYWHEEL_ROLLOUT_PER_NODE
   (( GPUS )) && per_node=$(( FLYWHEEL_ROLLOUT_PER_NODE / ROLLOUT_TP ))

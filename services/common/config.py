@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.devices import config_problems
 from services.common.nemo_rl import translate
 
 
@@ -454,6 +455,18 @@ class VLLMConfig(Section):
     still has one receiver per worker (TP rank 0), which hands the weights to the other ranks."""
 
 
+class EndpointConfig(Section):
+    """The OpenAI-compatible API each rollout worker serves to agents (docs/agents.md)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    """Address it listens on: loopback unless configured. TLS follows security.tls_cert, as gRPC does."""
+    port: int = Field(0, ge=0, le=65535)
+    """0: a free port (each worker gets its own; open_episode hands out the URL)."""
+    max_calls: int = Field(1024, gt=0)
+    """Calls one episode may make at most."""
+
+
 class GenerationConfig(Section):
     """NeMo RL `policy.generation`."""
 
@@ -466,6 +479,7 @@ class GenerationConfig(Section):
     stop_token_ids: list[int] | None = None
     """Token ids that end a completion besides EOS (kept in the output); null: none."""
     vllm_cfg: VLLMConfig = VLLMConfig()
+    endpoint: EndpointConfig = EndpointConfig()
     vllm_kwargs: dict[str, Any] = {}
     """More vLLM engine arguments (AsyncEngineArgs fields, e.g. max_num_batched_tokens, compilation_config), passed
     as they are; the vLLM engine refuses one it does not know or one that Flywheel sets from another key."""
@@ -660,6 +674,12 @@ class RolloutConfig(Section):
     """Deadline of one environment Step rpc. The groups that leave the engine together score in one call, up to a
     worker's groups in flight, so it covers all of their episodes; an environment's own timeout_s (a remote's
     per-call deadline) must be below it, or this deadline would cut that call first."""
+    max_group_failures: int = Field(3, gt=0)
+    """A group that fails with an error no redelivery fixes (not a broker or environment outage) on this delivery of
+    it or a later one (JetStream's count, every delivery included) is poisoned: dropped, counted, and replaced by a
+    new prompt (docs/reliability.md)."""
+    max_poisoned_groups: int = Field(10, ge=0)
+    """Poisoned groups the run goes on past; one more and the controller stops the run, naming the last error."""
 
 
 class ControllerConfig(Section):
@@ -777,6 +797,10 @@ class TrainerConfig(Section):
     """Ranks `flywheel serve trainer` starts on this node (ignored under torchrun or srun)."""
     collective_timeout_s: float = Field(1800.0, gt=0)
     """Deadline of one collective among ranks; ranks wait in one while rank 0 waits for a batch."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks compute: cpu (gloo between them) or cuda (local rank r on the r-th visible GPU, NCCL with
+    gloo beside it for host tensors). Set, never guessed from the host, so a config runs alike everywhere;
+    Megatron-Core runs on cuda whatever this says."""
 
 
 class FlywheelConfig(Section):
@@ -923,6 +947,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> tuple[Fly
     problems += refused
     try:
         cfg = FlywheelConfig.model_validate(tree)
+        problems += config_problems(cfg)  # device combinations no host can run (devices.py)
     except ValidationError as err:
         problems += _problems(err)
     if problems:

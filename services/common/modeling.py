@@ -20,6 +20,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
+from services.common.chat_template import require_chat_template
 from services.common.config import PolicyConfig
 
 log = logging.getLogger("flywheel.modeling")
@@ -100,21 +101,23 @@ PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% 
 
 def load_tokenizer(cfg: PolicyConfig):
     if cfg.model_name == "tiny":
-        return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer)
+        return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer, "tiny")
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer_name)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return with_chat_template(tok, cfg.tokenizer)
+    return with_chat_template(tok, cfg.tokenizer, cfg.tokenizer_name)
 
 
-def with_chat_template(tok, t):
+def with_chat_template(tok, t, name: str, key: str = "policy.tokenizer"):
     """policy.tokenizer.chat_template (null: passthrough; "default": the tokenizer's; else Jinja or a .jinja
-    file) and chat_template_kwargs, bound into apply_chat_template so every caller gets them, as in NeMo RL."""
+    file) and chat_template_kwargs, bound into apply_chat_template so every caller gets them, as in NeMo RL.
+    `name`, `key`: the tokenizer's origin and config section, for the error when it has no template."""
     if t.chat_template is None:
         tok.chat_template = PASSTHROUGH_TEMPLATE
     elif t.chat_template.lower() != "default":
         path = Path(t.chat_template)
         tok.chat_template = path.read_text() if t.chat_template.endswith(".jinja") else t.chat_template
+    require_chat_template(tok, name, key)
     if t.chat_template_kwargs:
         tok.apply_chat_template = functools.partial(tok.apply_chat_template, **t.chat_template_kwargs)
     return tok

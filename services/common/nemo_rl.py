@@ -17,164 +17,168 @@ import copy
 import fnmatch
 import types
 import typing
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
+from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
-
-_MISSING = object()
-
-
-def get(tree: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    pattern: str
-    """Dotted key; `*` matches one level."""
-    accept: Callable[[Any, dict], bool]
-    """(value, whole tree) -> whether the value asks for nothing Flywheel does differently."""
-    why: str
-
-
-def _is(expected: Any) -> Callable[[Any, dict], bool]:
-    return lambda v, _: v == expected
-
-
-def _off(v: Any, _: dict) -> bool:
-    return not v or (isinstance(v, dict) and not v.get("enabled", False))
-
-
-def _any(v: Any, _: dict) -> bool:
-    return True
-
-
-def _same_as(other: str) -> Callable[[Any, dict], bool]:
-    return lambda v, tree: v == get(tree, other)
-
-
-def _when(other: str, expected: Any) -> Callable[[Any, dict], bool]:
-    return lambda v, tree: get(tree, other, expected) == expected
-
+from services.common.nemo_rl_optim import fused_adam
+from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
 
 AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
 """Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
 
 
-def _dtensor(v: Any, tree: dict) -> bool:
-    v = v if isinstance(v, dict) else {}
-    tp = get(tree, "policy.tensor_parallel_size", 1)  # moved out of dtensor_cfg before the rules run
-    return (v.get("enabled", True) and v.get("context_parallel_size", 1) == 1
-            and not (tp > 1 and v.get("sequence_parallel")) and v.get("custom_parallel_plan") is None
-            and all(AUTOMODEL_AS_FLYWHEEL.get(k, _MISSING) == x for k, x in (v.get("automodel_kwargs") or {}).items()))
+def _automodel(v: Any, _: dict) -> bool:
+    return all(AUTOMODEL_AS_FLYWHEEL.get(k, MISSING) == x for k, x in (v or {}).items())
 
 
+def _sequence_parallel(v: Any, tree: dict) -> bool:
+    return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
+
+
+NEMO_GYM = ("NeMo RL's in-process NeMo-Gym rollouts are not mapped; Flywheel runs agents as an environment over "
+            "its OpenAI-compatible API (DESIGN.md, Agents)")
+QUANT = "ModelOpt quantization (quantization-aware training, quantized rollouts) is not built"
+READ_WITH = "read only with {}, which is refused on its own"
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
 VLLM_ONLY = "Flywheel's vLLM engine"
 RULES: tuple[Rule, ...] = (
     Rule("grpo.batch_multiplier", lambda v, tree: v == 1 or (get(tree, "grpo.use_dynamic_sampling") and v >= 1),
          "over-generation for dynamic sampling: Flywheel's controller leases a new prompt for each group dynamic "
          "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),
-    Rule("grpo.invalid_tool_call_advantage", _is(None), "tool-call advantage overrides are not built"),
-    Rule("grpo.malformed_thinking_advantage", _is(None), "thinking-tag advantage overrides are not built"),
-    Rule("grpo.val_batch_size", _any, "validation prompts go to rollout one request each; the engine batches"),
-    Rule("grpo.async_grpo.max_generation_failures", _is(0),
+    Rule("grpo.invalid_tool_call_advantage", is_(None), "tool-call advantage overrides are not built"),
+    Rule("grpo.malformed_thinking_advantage", is_(None), "thinking-tag advantage overrides are not built"),
+    Rule("grpo.skip_reference_policy_logprobs_calculation",
+         lambda v, t: not v or get(t, "loss_fn.reference_policy_kl_penalty") == 0,
+         "with loss_fn.reference_policy_kl_penalty 0 Flywheel computes no reference logprobs; above 0 it needs them"),
+    Rule("grpo.val_batch_size", any_, "validation prompts go to rollout one request each; the engine batches"),
+    Rule("grpo.async_grpo.max_generation_failures", is_(0),
          "a failed generation is redelivered by the work queue (after ack_wait), never dropped"),
     Rule("reward_penalties", lambda v, _: not any((v or {}).values()), "NeMo-Gym reward penalties are not built"),
-    Rule("loss_fn.use_kl_in_reward", _is(False), "KL in the reward (Reinforce++) is not built"),
-    Rule("loss_fn.positive_example_nll_weight", _is(0.0), "the VAPO NLL term is not built"),
+    Rule("loss_fn.use_kl_in_reward", is_(False), "KL in the reward (Reinforce++) is not built"),
+    Rule("loss_fn.positive_example_nll_weight", is_(0.0), "the VAPO NLL term is not built"),
     Rule("checkpointing.model_save_format", lambda v, _: v in ("safetensors", None),
          "checkpoints are DCP shards; `flywheel export` writes safetensors"),
-    Rule("checkpointing.save_consolidated", _is(False), "`flywheel export` consolidates a checkpoint"),
-    Rule("checkpointing.save_optimizer", _is(True), "the optimizer state is always saved"),
-    Rule("policy.tokenizer.use_fastokens", _is(False), "the fastokens tokenizer is not built"),
-    Rule("policy.generation_batch_size", _any, "rollout batches a group's samples itself"),
-    Rule("policy.offload_optimizer_for_logprob", _is(False), "optimizer offload is not built"),
-    Rule("policy.dtensor_cfg", _dtensor, "the trainer is FSDP2 (DTensor) over the Hugging Face model, with tensor "
-         "parallelism by its own TP plan but no sequence parallelism with it, CP = 1, no custom plan, "
-         "no Automodel kwargs but force_hf: true"),
-    Rule("policy.lora_cfg.use_triton", _any, "a kernel choice (Triton or not); the LoRA math is the same"),
-    Rule("policy.megatron_cfg.*", _when("policy.megatron_cfg.enabled", False),
-         "inert while megatron_cfg.enabled is false; Flywheel's Megatron backend takes only the keys it lists"),
-    Rule("policy.draft", _off, "draft-model (speculative) training is not built"),
-    Rule("policy.sequence_packing.*", _any, "packing order and rounding change speed, not the loss"),
-    Rule("policy.dynamic_batching.sequence_length_round", _any, "rounding changes speed, not the loss"),
-    Rule("policy.make_sequence_length_divisible_by", _any, "padding for sequence parallelism, which is not built; "
+    Rule("checkpointing.save_consolidated", is_(False), "`flywheel export` consolidates a checkpoint"),
+    Rule("checkpointing.save_optimizer", is_(True), "the optimizer state is always saved"),
+    Rule("policy.tokenizer.use_fastokens", is_(False), "the fastokens tokenizer is not built"),
+    Rule("policy.generation_batch_size", any_, "rollout batches a group's samples itself"),
+    Rule("policy.offload_optimizer_for_logprob", is_(False), "optimizer offload is not built"),
+    Rule("policy.dtensor_cfg.enabled", is_(True), "the trainer is FSDP2 (NeMo RL's DTensor path) unless "
+         "megatron_cfg.enabled is true"),
+    Rule("policy.dtensor_cfg._v2", any_, "NeMo RL's two DTensor workers (_v2 true: Automodel's; false: the first) both "
+         "shard the Hugging Face model with FSDP2, as the FSDP2 trainer does"),
+    Rule("policy.dtensor_cfg.context_parallel_size", is_(1), "context parallelism is not built"),
+    Rule("policy.dtensor_cfg.sequence_parallel", _sequence_parallel, "the FSDP2 trainer's tensor parallelism (the "
+         "model's own TP plan) has no sequence parallelism; at tensor_parallel_size 1 NeMo RL applies none either"),
+    Rule("policy.dtensor_cfg.custom_parallel_plan", is_(None), "custom TP plans are not built: the trainer uses "
+         "the model's own Hugging Face TP plan"),
+    Rule("policy.dtensor_cfg.automodel_kwargs", _automodel, "Automodel's model builder (TE or Liger kernels, "
+         "attention choices, freezing) is not built: only force_hf: true, the Hugging Face class the trainer loads"),
+    Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
+    Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
+         "the Hugging Face MoE layers as they are"),
+    Rule("policy.dtensor_cfg.env_vars", lambda v, _: not v, "environment variables for NeMo RL's DTensor workers: "
+         "set them in the trainer's own environment"),
+    Rule("policy.dtensor_cfg.clear_cache_every_n_steps", any_, "emptying the CUDA cache: memory, not the math"),
+    Rule("policy.lora_cfg.use_triton", any_, "a kernel choice (Triton or not); the LoRA math is the same"),
+    Rule("policy.draft", off, "draft-model (speculative) training is not built"),
+    Rule("policy.sequence_packing.*", any_, "packing order and rounding change speed, not the loss"),
+    Rule("policy.dynamic_batching.sequence_length_round", any_, "rounding changes speed, not the loss"),
+    Rule("policy.make_sequence_length_divisible_by", any_, "padding for sequence parallelism, which is not built; "
          "tensor parallelism without it splits no sequence, and the trainer pads to its own widths"),
-    Rule("policy.generation.port_range_low", _any, PLACEMENT),
-    Rule("policy.generation.port_range_high", _any, PLACEMENT),
-    Rule("policy.generation.val_temperature", _same_as("policy.generation.temperature"),
+    Rule("policy.generation.port_range_low", any_, PLACEMENT),
+    Rule("policy.generation.port_range_high", any_, PLACEMENT),
+    Rule("policy.generation.val_temperature", same_as("policy.generation.temperature"),
          "validation samples with the training temperature"),
-    Rule("policy.generation.val_top_p", _same_as("policy.generation.top_p"), "validation samples with the training top_p"),
-    Rule("policy.generation.val_top_k", _same_as("policy.generation.top_k"), "validation samples with the training top_k"),
-    Rule("policy.generation.refit_transport", _is(None), "the weight transport is weight_sync.backend"),
-    Rule("policy.generation.real_quant_export_cpu_offload", _any, "quantized export is not built"),
-    Rule("policy.generation.refit_cfg", _when("policy.generation.refit_transport", None),
-         "the weight transport is weight_sync.backend"),
+    Rule("policy.generation.val_top_p", same_as("policy.generation.top_p"), "validation samples with the training top_p"),
+    Rule("policy.generation.val_top_k", same_as("policy.generation.top_k"), "validation samples with the training top_k"),
+    Rule("policy.generation.refit_transport", lambda v, _: v in (None, "nixl"), "the weight transport is "
+         "weight_sync.backend: gloo, nccl, nixl (NeMo RL's nixl refit) or filesystem"),
+    Rule("policy.generation.real_quant_export_cpu_offload", any_, "quantized export is not built"),
+    Rule("policy.generation.refit_cfg.nixl.update_weights_bucket_memory_ratio", any_, "buckets are weight_sync.bucket_size_mb"),
+    Rule("policy.generation.refit_cfg.nixl.device", any_, "the trainer's buckets live where its weights are"),
+    Rule("policy.generation.refit_cfg.nixl.backend_name", is_("UCX"), "Flywheel's NIXL agent uses UCX"),
+    Rule("policy.generation.refit_cfg.nixl.backend_init_params", is_(None), "Flywheel's NIXL agent uses UCX with its defaults"),
+    Rule("policy.generation.refit_cfg.nixl.release_after_refit", is_(False), "the trainer keeps its registered buckets between syncs"),
+    Rule("policy.generation.refit_cfg.nixl.shard_expert_weights", is_(False), "expert sharding is not built"),
+    Rule("policy.generation.refit_cfg.sparse", any_, READ_WITH.format("refit_transport vllm_zmq_sparse")),
     Rule("policy.generation.mcore_generation_config", lambda v, t: get(t, "policy.generation.backend") != "megatron",
          "Megatron generation is not built"),
-    Rule("policy.generation.colocated.enabled", _is(False), "colocated generation is not built: rollout is its own "
+    Rule("policy.generation.colocated.enabled", is_(False), "colocated generation is not built: rollout is its own "
          "service on its own devices (NeMo RL's non-colocated mode); set policy.generation.colocated.enabled=false"),
-    Rule("policy.generation.colocated.resources", _any, PLACEMENT),
-    Rule("policy.generation.vllm_cfg.async_engine", _any, f"{VLLM_ONLY} serves each rollout worker's requests"),
-    Rule("policy.generation.vllm_cfg.precision", _same_as("policy.precision"), "vLLM runs at policy.precision"),
-    Rule("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto"), "the KV cache takes the model's dtype"),
-    Rule("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs"),
+    Rule("policy.generation.colocated.resources", any_, PLACEMENT),
+    Rule("policy.generation.vllm_cfg.async_engine", any_, f"{VLLM_ONLY} serves each rollout worker's requests"),
+    Rule("policy.generation.vllm_cfg.precision", same_as("policy.precision"), "vLLM runs at policy.precision"),
+    Rule("policy.generation.vllm_cfg.kv_cache_dtype", is_("auto"), "the KV cache takes the model's dtype"),
+    Rule("policy.generation.vllm_cfg.logprobs_mode", is_("processed_logprobs"),
          f"{VLLM_ONLY} returns processed logprobs (after temperature), as NeMo RL's default"),
-    Rule("policy.generation.vllm_cfg.pipeline_parallel_size", _is(1), "vLLM pipeline parallelism is not wired"),
-    Rule("policy.generation.vllm_cfg.expert_parallel_size", _is(1), "vLLM expert parallelism is not wired"),
-    Rule("policy.generation.vllm_cfg.max_model_len", _same_as("policy.max_total_sequence_length"),
+    Rule("policy.generation.vllm_cfg.pipeline_parallel_size", is_(1), "vLLM pipeline parallelism is not wired"),
+    Rule("policy.generation.vllm_cfg.expert_parallel_size", is_(1), "vLLM expert parallelism is not wired"),
+    Rule("policy.generation.vllm_cfg.max_model_len", same_as("policy.max_total_sequence_length"),
          "vLLM's context is policy.max_total_sequence_length"),
-    Rule("policy.generation.vllm_cfg.use_tqdm", _any, "progress bars only"),
-    Rule("policy.generation.vllm_cfg.use_deep_gemm", _is(False), "DeepGEMM is not wired"),
-    Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", _is(0), "mixed-precision layers are not wired"),
-    Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", _is(0), "mixed-precision layers are not wired"),
-    Rule("policy.generation.vllm_cfg.enable_vllm_metrics_logger", _any, "rollout serves Prometheus /metrics instead"),
-    Rule("policy.generation.vllm_cfg.vllm_metrics_logger_interval", _any, "rollout serves Prometheus /metrics instead"),
-    Rule("policy.generation.vllm_cfg.http_refit_api_key_env_var", _is(None), "HTTP refit is not built"),
-    Rule("policy.generation.vllm_cfg.http_refit_server_port", _is(None), "HTTP refit is not built"),
-    Rule("policy.generation.vllm_cfg.zmq_refit_server_port", _is(None), "ZMQ refit is not built"),
-    Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", _is(False), "multimodal is not built"),
-    Rule("data.num_workers", _any, "the controller reads rows itself; no loader workers"),
-    Rule("env.reward_model.processor", _any, "the prompts are shaped by the datasets' own processor (data.*)"),
-    Rule("env.reward_model.checkpoint_path", _is(None),
+    Rule("policy.generation.vllm_cfg.use_tqdm", any_, "progress bars only"),
+    Rule("policy.generation.vllm_cfg.enable_prefix_caching", any_,
+         f"{VLLM_ONLY} caches prefixes always; a cache changes speed, not the samples"),
+    Rule("policy.generation.vllm_cfg.env_vars", lambda v, _: not v,
+         "environment variables for NeMo RL's vLLM workers: set them in rollout's own environment"),
+    Rule("policy.generation.vllm_cfg.expose_http_server", is_(False), "NeMo RL's vLLM HTTP server for NeMo-Gym; "
+         "Flywheel's rollout serves its own OpenAI-compatible API to agent environments (services/rollout/endpoint)"),
+    Rule("policy.generation.vllm_cfg.use_deep_gemm", is_(False), "DeepGEMM is not wired"),
+    Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
+    Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
+    Rule("policy.generation.vllm_cfg.enable_vllm_metrics_logger", any_, "rollout serves Prometheus /metrics instead"),
+    Rule("policy.generation.vllm_cfg.vllm_metrics_logger_interval", any_, "rollout serves Prometheus /metrics instead"),
+    Rule("policy.generation.vllm_cfg.http_refit_api_key_env_var", is_(None), "HTTP refit is not built"),
+    Rule("policy.generation.vllm_cfg.http_refit_server_port", is_(None), "HTTP refit is not built"),
+    Rule("policy.generation.vllm_cfg.zmq_refit_server_port", is_(None), "ZMQ refit is not built"),
+    Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", is_(False), "multimodal is not built"),
+    Rule("data.num_workers", any_, "the controller reads rows itself; no loader workers"),
+    Rule("env.reward_model.processor", any_, "the prompts are shaped by the datasets' own processor (data.*)"),
+    Rule("env.reward_model.checkpoint_path", is_(None),
          "the reward model loads from model_name (a Hugging Face id or directory); DCP checkpoints are not read"),
-    Rule("env.reward_model.offload_optimizer_for_logprob", _any, "the reward model only scores: no optimizer"),
-    Rule("env.reward_model.max_grad_norm", _any, "the reward model only scores: no gradients"),
-    Rule("env.reward_model.resources", _any,
+    Rule("env.reward_model.offload_optimizer_for_logprob", any_, "the reward model only scores: no optimizer"),
+    Rule("env.reward_model.max_grad_norm", any_, "the reward model only scores: no gradients"),
+    Rule("env.reward_model.resources", any_,
          "the reward-model server is one process (flywheel serve reward_model), on one GPU where CUDA is present"),
     Rule("env.reward_model.dtensor_cfg", lambda v, _: (v or {}).get("tensor_parallel_size", 1) == 1
          and (v or {}).get("context_parallel_size", 1) == 1 and not (v or {}).get("cpu_offload"),
          "the reward model runs whole in one process: no tensor or context parallelism, no offload"),
-    Rule("env.reward_model.dynamic_batching", _off, "the server scores env.reward_model.batch_size conversations at once"),
-    Rule("env.reward_model.sequence_packing", _off, "the server scores env.reward_model.batch_size conversations at once"),
-    Rule("data.add_system_prompt", _is(False), "a variable NeMo RL's sliding-puzzle script hands the chat template; "
+    Rule("env.reward_model.dynamic_batching", off, "the server scores env.reward_model.batch_size conversations at once"),
+    Rule("env.reward_model.sequence_packing", off, "the server scores env.reward_model.batch_size conversations at once"),
+    Rule("data.add_system_prompt", is_(False), "a variable NeMo RL's sliding-puzzle script hands the chat template; "
          "unset, a template reads it as false (set policy.tokenizer.chat_template_kwargs for a template that reads it)"),
-    Rule("data.use_multiple_dataloader", _is(False), "multiple dataloaders are not built; use the environments mix"),
-    Rule("data.num_prompts_per_dataloader", _when("data.use_multiple_dataloader", False),
+    Rule("data.use_multiple_dataloader", is_(False), "multiple dataloaders are not built; use the environments mix"),
+    Rule("data.num_prompts_per_dataloader", when("data.use_multiple_dataloader", False),
          "inert while use_multiple_dataloader is false, as in NeMo RL"),
-    Rule("data.custom_dataloader", _when("data.use_multiple_dataloader", False),
+    Rule("data.custom_dataloader", when("data.use_multiple_dataloader", False),
          "inert while use_multiple_dataloader is false, as in NeMo RL"),
-    Rule("logger.tensorboard_enabled", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
-    Rule("logger.tensorboard", _any, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
-    Rule("logger.monitor_gpus", _any, "GPU use is on each service's Prometheus /metrics"),
-    Rule("logger.gpu_monitoring", _any, "GPU use is on each service's Prometheus /metrics"),
-    Rule("logger.swanlab_enabled", _is(False), "SwanLab is not wired"),
-    Rule("logger.swanlab", _when("logger.swanlab_enabled", False), "SwanLab is not wired"),
-    Rule("logger.wandb.log_nemo_gym_full_result_tables", _is(False), "NeMo-Gym tables are not built"),
-    Rule("cluster", _any, PLACEMENT),
-    Rule("data_plane", _any, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
+    Rule("logger.tensorboard_enabled", any_, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
+    Rule("logger.tensorboard", any_, "TensorBoard events are always written (<run_dir>/<log_dir>/tensorboard)"),
+    Rule("logger.monitor_gpus", any_, "GPU use is on each service's Prometheus /metrics"),
+    Rule("logger.gpu_monitoring", any_, "GPU use is on each service's Prometheus /metrics"),
+    Rule("logger.swanlab_enabled", is_(False), "SwanLab is not wired"),
+    Rule("logger.swanlab", when("logger.swanlab_enabled", False), "SwanLab is not wired"),
+    Rule("logger.wandb.log_nemo_gym_full_result_tables", is_(False), "NeMo-Gym tables are not built"),
+    Rule("env.should_use_nemo_gym", is_(False), NEMO_GYM),
+    Rule("env.nemo_gym", is_(None), NEMO_GYM),
+    Rule("env.should_mask_flagged_samples", any_, READ_WITH.format("NeMo-Gym rollouts")),
+    Rule("env.should_log_nemo_gym_responses", any_, READ_WITH.format("NeMo-Gym rollouts")),
+    Rule("policy.router_replay", off, "MoE router replay is not built"),
+    Rule("policy.quant_cfg", is_(None), QUANT),
+    Rule("policy.generation.quant_cfg", is_(None), QUANT),
+    Rule("policy.generation.real_quant", lambda v, _: not v, QUANT),
+    *(Rule(k, any_, READ_WITH.format("quantization")) for k in (
+        "policy.quant_*", "policy.disable_modelopt_layer_spec", "policy.generation.real_quant_ignore",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws")),
+    Rule("cluster", any_, PLACEMENT),
+    Rule("data_plane", any_, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
          "Flywheel's replay (Redis) and gRPC do that job whatever it says"),
-    Rule("on_policy_distillation", _is(None), "on-policy distillation is not built"),
+    Rule("on_policy_distillation", is_(None), "on-policy distillation is not built"),
+    Rule("async_rl", is_(None), "NeMo RL's single-controller streaming mode (samplers, rollout-failure budgets) is "
+         "not mapped; Flywheel's async GRPO is grpo.async_grpo (enabled, max_trajectory_age_steps)"),
 )
 
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
@@ -196,13 +200,18 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     problems: list[Problem] = []
     notes: list[Problem] = []
     game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
+    megatron.prepare(out, problems, notes)
+    if get(out, "policy.generation.refit_transport") == "nixl":  # NeMo RL's NIXL refit is Flywheel's nixl channel
+        _move(out, "policy.generation.refit_transport", "weight_sync.backend", problems)
+    fused_adam(get(out, "policy.optimizer"), problems, notes)
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)
     if game:
         _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
-    _walk(out, copy.deepcopy(out), "", schema, problems, notes)  # rules read the tree as written
+    rules = RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
+    _walk(out, copy.deepcopy(out), "", schema, rules, problems, notes)  # rules read the tree as written
     return out, problems, notes
 
 
@@ -233,13 +242,13 @@ def _prune(node: dict) -> dict:
 
 
 def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:
-    value = get(tree, src, _MISSING)
-    if value is _MISSING:
+    value = get(tree, src, MISSING)
+    if value is MISSING:
         return
     *parents, leaf = src.split(".")
     del get(tree, ".".join(parents))[leaf]
-    current = get(tree, dst, _MISSING)
-    if current is not _MISSING and current != value:
+    current = get(tree, dst, MISSING)
+    if current is not MISSING and current != value:
         problems.append((src, f"means {dst}, which is set to {current!r}; set one of them"))
         return
     node = tree
@@ -249,19 +258,19 @@ def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:
     node[leaf] = value
 
 
-def _walk(node: dict, root: dict, prefix: str, model: type[BaseModel] | None, problems, notes) -> None:
+def _walk(node: dict, root: dict, prefix: str, model: type[BaseModel] | None, rules, problems, notes) -> None:
     for key in list(node):
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key) if model is not None else None
         if field is not None:
             sub = _section(field.annotation)
             if sub is not None and isinstance(node[key], dict):
-                _walk(node[key], root, f"{dotted}.", sub, problems, notes)
+                _walk(node[key], root, f"{dotted}.", sub, rules, problems, notes)
             continue
-        rule = next((r for r in RULES if fnmatch.fnmatchcase(dotted, r.pattern.replace("*", "[!.]*"))), None)
+        rule = next((r for r in rules if fnmatch.fnmatchcase(dotted, r.pattern.replace("*", "[!.]*"))), None)
         if rule is None:
-            if isinstance(node[key], dict) and any(r.pattern.startswith(f"{dotted}.") for r in RULES):
-                _walk(node[key], root, f"{dotted}.", None, problems, notes)
+            if isinstance(node[key], dict) and any(r.pattern.startswith(f"{dotted}.") for r in rules):
+                _walk(node[key], root, f"{dotted}.", None, rules, problems, notes)
                 if not node[key]:
                     del node[key]  # every key below was a rule's
             continue  # else the schema names it unknown, with the others

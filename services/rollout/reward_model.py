@@ -50,7 +50,8 @@ def load_reward_model(cfg: RewardModelEnvConfig, seed: int = 0, device: str | to
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id  # the model finds each row's last real token by it
-    return model.to(device).eval(), with_chat_template(tokenizer, cfg.tokenizer)
+    return model.to(device).eval(), with_chat_template(tokenizer, cfg.tokenizer, cfg.tokenizer.name or cfg.model_name,
+                                                    "env.reward_model.tokenizer")
 
 
 class RewardModel:

@@ -7,6 +7,10 @@ Three ways to get N ranks, one code path once they exist:
 - under srun: SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, plus MASTER_ADDR and
   MASTER_PORT, which the batch script exports (the first node of the trainer's group).
 
+Where the ranks compute comes from the config (`trainer_device`), never from whether this host happens
+to have a GPU: the same config runs the same way everywhere, and the CPU test suite stays on CPU on a GPU
+machine. On cuda, local rank r takes the r-th GPU this process sees (the launchers set CUDA_VISIBLE_DEVICES).
+
 Only rank 0 talks to the network (replay, NATS, gRPC, the weight channel). The other ranks
 run `Lockstep.follow`: rank 0 broadcasts the name and arguments of every collective
 operation (a training step with its batch, gathering weights, saving a checkpoint) before it
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +48,8 @@ class RankInfo:
     rank: int
     world: int
     local_rank: int
+    device: str = "cpu"
+    """torch device this rank computes on: "cpu" or "cuda:<local rank>"."""
 
 
 def rank_from_env(env: dict[str, str] | None = None) -> RankInfo | None:
@@ -56,15 +62,26 @@ def rank_from_env(env: dict[str, str] | None = None) -> RankInfo | None:
     return None
 
 
-def init_distributed(timeout_s: float) -> RankInfo:
-    """Join (or make) the default process group: gloo on CPU, NCCL on GPU."""
+def trainer_device(cfg: FlywheelConfig) -> str:
+    """"cpu" or "cuda": trainer.device, except that Megatron-Core runs on cuda only."""
+    return "cuda" if cfg.policy.megatron_cfg.enabled else cfg.trainer.device
+
+
+def process_group_backend(device: str) -> str:
+    """The default group's backend. On cuda, NCCL for device tensors and gloo beside it for host ones, as
+    torchtitan does: FSDP2's cpu_offload keeps shards and gradients on the host, so clipping all-reduces their
+    norms there, which an NCCL-only group refuses. On cpu, gloo."""
+    return "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
+
+
+def init_distributed(timeout_s: float, device: str = "cpu") -> RankInfo:
+    """Join (or make) the default process group for ranks on `device` ("cpu" or "cuda", see `trainer_device`)."""
     info = rank_from_env() or RankInfo(0, 1, 0)
+    if device == "cuda":
+        info = replace(info, device=_claim_gpu(info.local_rank))
     if dist.is_initialized():
-        return RankInfo(dist.get_rank(), dist.get_world_size(), info.local_rank)
-    backend = "gloo"
-    if torch.cuda.is_available():
-        backend = "nccl"
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        return RankInfo(dist.get_rank(), dist.get_world_size(), info.local_rank, info.device)
+    backend = process_group_backend(device)
     timeout = timedelta(seconds=timeout_s)
     if info.world == 1:  # explicit address: a child process must not inherit a rendezvous
         init = f"tcp://127.0.0.1:{free_port()}"
@@ -75,6 +92,17 @@ def init_distributed(timeout_s: float) -> RankInfo:
         init = "env://"
     dist.init_process_group(backend, init_method=init, rank=info.rank, world_size=info.world, timeout=timeout)
     return info
+
+
+def _claim_gpu(local_rank: int) -> str:
+    """Make the local rank's own GPU current; refuse to share one (NCCL refuses two ranks on one device)."""
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= seen:
+        raise RuntimeError(f"the trainer runs on cuda (trainer.device, or Megatron-Core) and local rank {local_rank} "
+                           f"needs its own GPU, but this process sees {seen} (CUDA_VISIBLE_DEVICES); give each rank "
+                           "a GPU, or set trainer.device=cpu")
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
 
 
 class Lockstep:

@@ -47,7 +47,8 @@ from services.common.weights import WeightSender
 from services.trainer.backends import make_backend
 from services.trainer.batch import TrainBatch, batch_advantages, build_batch
 from services.trainer.checkpoint import Checkpointer
-from services.trainer.distributed import Lockstep, RankInfo, init_distributed, launch_ranks, rank_from_env
+from services.trainer.distributed import (Lockstep, RankInfo, init_distributed, launch_ranks, rank_from_env,
+                                          trainer_device)
 from services.trainer.step_metrics import step_metrics
 
 log = logging.getLogger("flywheel.trainer")
@@ -419,7 +420,7 @@ async def serve(cfg: FlywheelConfig) -> None:
             raise SystemExit(code)
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    info = init_distributed(cfg.trainer.collective_timeout_s)
+    info = init_distributed(cfg.trainer.collective_timeout_s, trainer_device(cfg))
     try:
         ranks = Lockstep(RankWork(cfg, info), info.rank, info.world)
         if info.rank == 0:

@@ -41,7 +41,7 @@ data:
   validation: null
   default: {{system_prompt_file: {tmp_path / 'system.txt'}}}
 env: {{math_multi_reward: {{num_workers: 1}}}}
-logger: {{wandb_enabled: false}}  # the recipe logs to W&B; Flywheel does not install the wandb package
+logger: {{wandb_enabled: false}}  # the recipe logs to W&B, which needs an account and the network
 checkpointing: {{enabled: false}}
 """)
     return config

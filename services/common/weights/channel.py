@@ -17,8 +17,10 @@ fully confirmed round, after any failure, or for a repeat of the same version; o
 reuses the epoch and its group. Per-version keys live under `epoch/{e}/v{version}/`.
 
 Deadlines: the sync's deadline bounds everything. Each attempt but the last gets half of the time left (so a
-stalled member cannot eat the retry), and each epoch's collectives time out with it. A dropped member is
-not waited for again in this sync; the caller puts it back in `members` at a later sync to rejoin.
+stalled member cannot eat the retry), and each epoch's collectives time out with it, on the host: for nccl the
+group's own timeout (its watchdog's) comes a margin later and the group is aborted first (backends/collective.py).
+A dropped member is not waited for again in this sync; the caller puts it back in `members` at a later sync
+to rejoin.
 """
 
 from __future__ import annotations

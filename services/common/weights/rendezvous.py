@@ -147,12 +147,12 @@ def get_json(store: Store, key: str) -> dict[str, Any]:
     return json.loads(store.get(key))
 
 
-def poll_intervals():
-    """Sleep lengths for a polling loop: doubling from POLL_MIN_S, then POLL_S forever."""
-    sleep = POLL_MIN_S
+def poll_intervals(longest_s: float = POLL_S):
+    """Sleep lengths for a polling loop: doubling from POLL_MIN_S, then `longest_s` forever."""
+    sleep = min(POLL_MIN_S, longest_s)
     while True:
         yield sleep
-        sleep = min(sleep * 2, POLL_S)
+        sleep = min(sleep * 2, longest_s)
 
 
 def wait_keys(store: Store, keys: Iterable[str], deadline: Deadline) -> set[str]:

@@ -45,7 +45,7 @@ def load_data(cfg: FlywheelConfig) -> LoadedData:
     """Reads data.train and data.validation. Raises DataError listing every dataset that failed."""
     problems: list[str] = []
     train, validation, notes = [], [], []
-    for key, ds in _named(cfg.data.train_sets(), "data.train"):
+    for key, ds in named_sets(cfg.data.train_sets(), "data.train"):
         try:
             rows = _rows(key, ds)
             named = NAMED_DATASETS.get(ds.dataset_name)
@@ -59,7 +59,7 @@ def load_data(cfg: FlywheelConfig) -> LoadedData:
                 validation.append(_set(ds, [rows[i] for i in held], f"{key} (split_validation_size)"))
         except DataError as err:
             problems.append(str(err))
-    for key, ds in _named(cfg.data.validation_sets(), "data.validation"):
+    for key, ds in named_sets(cfg.data.validation_sets(), "data.validation"):
         try:
             validation.append(_set(ds, _rows(key, ds), key))
         except DataError as err:
@@ -96,7 +96,8 @@ def plan_config(cfg: FlywheelConfig) -> tuple[FlywheelConfig, list[str]]:
     return cfg, lines
 
 
-def _named(sets: list[DatasetConfig], key: str):
+def named_sets(sets: list[DatasetConfig], key: str):
+    """(config key, entry) per dataset: `key` alone for one, `key.i` for each of a list."""
     return [(key if len(sets) == 1 else f"{key}.{i}", ds) for i, ds in enumerate(sets)]
 
 
@@ -105,8 +106,8 @@ def _set(ds: DatasetConfig, rows: list, key: str) -> PromptSet:
 
 
 def _rows(key: str, ds: DatasetConfig) -> list[types_pb2.DatasetRow]:
-    templates = Templates(prompt=_read(f"{key}.prompt_file", ds.prompt_file),
-                          system=_read(f"{key}.system_prompt_file", ds.system_prompt_file))
+    templates = Templates(prompt=read_text_file(f"{key}.prompt_file", ds.prompt_file),
+                          system=read_text_file(f"{key}.system_prompt_file", ds.system_prompt_file))
     if templates.prompt is not None:
         try:
             check_prompt_template(templates.prompt)
@@ -148,7 +149,8 @@ def _convert(key: str, path: str, templates: Templates, input_key: str | None, o
     return out
 
 
-def _read(key: str, path: str | None) -> str | None:
+def read_text_file(key: str, path: str | None) -> str | None:
+    """A prompt file's text (None for no path); DataError naming `key` when it cannot be read."""
     if path is None:
         return None
     try:

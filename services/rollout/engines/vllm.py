@@ -41,12 +41,11 @@ from services.common.config import FlywheelConfig, PolicyConfig
 from services.common.modeling import build_tiny_model, load_tokenizer, model_config
 from services.common.weights.manifest import Manifest, TensorSpec
 from services.rollout.engines import Engine, Generated, Sampling
+from services.rollout.engines.vllm_worker import LOGPROBS_MODE
 
 log = logging.getLogger("flywheel.rollout.vllm")
 
 EXTENSION = "services.rollout.engines.vllm_worker.FlywheelWorkerExtension"
-LOGPROBS_MODE = "processed_logprobs"
-"""The sampler's post-temperature logprobs; the worker extension takes them before top-k/top-p filtering."""
 NO_VERSION = "default"
 """vLLM's weight-version label before anything was loaded (dummy weights)."""
 
@@ -197,8 +196,9 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         """Set up the worker side: receiver, staging tensors, the logprob definition."""
         staging = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in self.manifest.specs]
-        await self.llm.collective_rpc("flywheel_setup", args=(self.worker_id, self.cfg.weight_sync.backend,
-                                                               self.cfg.addresses.host, staging))
+        runners = await self.llm.collective_rpc("flywheel_setup", args=(
+            self.worker_id, self.cfg.weight_sync.backend, self.cfg.addresses.host, staging))
+        log.info("vLLM model runner %s; logprobs taken before top-k/top-p", runners[0])
 
     # -- weights --
 

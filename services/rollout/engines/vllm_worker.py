@@ -21,22 +21,37 @@ failed transfer fails every rank instead of leaving the others waiting in a broa
 Logprobs: `flywheel_setup` wraps the sampler's top-k/top-p stage so that the "processed" logprobs vLLM
 returns are log_softmax(logits / T) over the whole vocabulary, taken after temperature and before top-k/top-p
 filtering: the definition the trainer scores with (`services.common.modeling.token_logprobs`), for every
-sampling setting. vLLM's own processed_logprobs would be renormalised over the kept tokens.
+sampling setting. vLLM's own processed_logprobs would be renormalised over the kept tokens. vLLM 0.32 has two
+model runners, and the worker holds one of them; the sampler object says which:
+* V1 (`vllm.v1.sample.sampler.Sampler`): its `topk_topp_sampler` filters and samples, and returns the
+  processed logprobs itself; the wrapper returns log_softmax of the logits it was given instead.
+* V2 (`vllm.v1.worker.gpu.sample.sampler.Sampler`, the default for dense models on CUDA): `_sample_random`
+  filters and samples and returns the filtered logits, which the sampler then turns into logprobs; the
+  wrapper returns a copy of the logits it was given instead (the filter masks them in place).
+A sampler of neither shape (a later vLLM) stops the worker's setup with the reason, rather than letting it
+return renormalised logprobs. Both wrappers run against vLLM's real samplers on CPU in
+tests/unit/rollout/test_vllm_logprobs.py. The V2 runner itself needs Triton (on CPU: triton-cpu) and has not
+been run: no GPU with vLLM here (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
+LOGPROBS_MODE = "processed_logprobs"
+"""The engine's logprobs_mode: the mode in which both runners return what the wrapped stage gives them (their
+post-temperature logprobs), here taken before top-k/top-p filtering."""
 
 class FlywheelWorkerExtension:
     """Methods vLLM adds to its Worker; names carry a prefix so they cannot clash with the Worker's own."""
 
-    def flywheel_setup(self, worker_id: str, backend: str, host: str | None, staging: list) -> bool:
+    def flywheel_setup(self, worker_id: str, backend: str, host: str | None, staging: list) -> str:
         """Once, after the engine started: the receiver, its staging tensors (HF names, shapes, dtypes in the
-        trainer's manifest order: `staging` is [(name, shape, dtype name)]), and the logprob definition."""
+        trainer's manifest order: `staging` is [(name, shape, dtype name)]), and the logprob definition.
+        Returns the model runner the logprob hook found ("v1" or "v2")."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         from services.common.weights import WeightReceiver
@@ -46,8 +61,7 @@ class FlywheelWorkerExtension:
             if get_tensor_model_parallel_rank() == 0 else None
         self.flywheel_staging = {name: torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
                                  for name, shape, dtype in staging}
-        _logprobs_before_filtering(self.model_runner.sampler.topk_topp_sampler)
-        return True
+        return logprobs_before_filtering(self.model_runner.sampler)
 
     def flywheel_receive(self, announcement: dict[str, Any], timeout_s: float, skip: list[str]) -> str:
         """Join the announced epoch, fill the staging tensors, load them into the model; returns the checksum
@@ -92,11 +106,32 @@ class FlywheelWorkerExtension:
         return True
 
 
-def _logprobs_before_filtering(topk_topp) -> None:
-    """Make the top-k/top-p stage return log_softmax of the logits it receives (already divided by the
-    temperature) instead of the filtered ones. Sampling itself is unchanged."""
-    if getattr(topk_topp, "flywheel_wrapped", False):
-        return
+def logprobs_before_filtering(sampler) -> str:
+    """Make `sampler` (the worker's `model_runner.sampler`) return log_softmax(logits / T) over the whole
+    vocabulary as its processed logprobs; sampling itself is unchanged. Returns "v1" or "v2", the runner
+    whose sampler it is; raises if it is neither, or if a setting would make the hook give wrong values."""
+    mode = getattr(sampler, "logprobs_mode", None)
+    if mode != LOGPROBS_MODE:  # in another mode vLLM ignores (or mixes in) what the wrapped stage returns
+        raise RuntimeError(f"vLLM sampler runs with logprobs_mode={mode!r}; Flywheel needs {LOGPROBS_MODE!r}")
+    if hasattr(sampler, "topk_topp_sampler"):
+        _wrap_v1(sampler.topk_topp_sampler)
+        return "v1"
+    if _is_v2(sampler):
+        if getattr(sampler, "return_sampling_mask", False):  # the mask is read from what the stage returns
+            raise RuntimeError("vLLM's return_sampling_mask needs the filtered logits; Flywheel's logprob "
+                               "definition replaces them. Turn return_sampling_mask off")
+        _wrap_v2(sampler)
+        return "v2"
+    kind = f"{type(sampler).__module__}.{type(sampler).__qualname__}"
+    raise RuntimeError(f"vLLM sampler {kind} is neither the V1 runner's (topk_topp_sampler) nor the V2 "
+                       "runner's (_sample_random(processed_logits, ..., top_k, top_p, ...)): Flywheel cannot "
+                       "take logprobs before top-k/top-p with it, and vLLM's own would be renormalised over "
+                       "the kept tokens. Use vLLM 0.32 or port the hook")
+
+
+def _wrap_v1(topk_topp) -> None:
+    """V1: the top-k/top-p stage gets logits already divided by T and returns (sampled, processed logprobs);
+    return log_softmax of its input instead."""
     inner = topk_topp.forward
 
     def forward(logits: torch.Tensor, generators, k, p):
@@ -105,4 +140,29 @@ def _logprobs_before_filtering(topk_topp) -> None:
         return sampled, logprobs
 
     topk_topp.forward = forward
-    topk_topp.flywheel_wrapped = True
+
+
+def _is_v2(sampler) -> bool:
+    stage = getattr(sampler, "_sample_random", None)
+    if stage is None or not hasattr(sampler, "sampling_states"):
+        return False
+    names = list(inspect.signature(stage).parameters)
+    return names[:1] == ["processed_logits"] and {"top_k", "top_p"} <= set(names)
+
+
+def _wrap_v2(sampler) -> None:
+    """V2: `_sample_random` gets logits already divided by T, filters them (in place) and samples, and
+    returns (sampled, filtered logits), of which the sampler takes log_softmax; return the unfiltered ones.
+    Without a filter there is nothing to copy."""
+    inner = sampler._sample_random
+    signature = inspect.signature(inner)
+
+    def _sample_random(*args, **kwargs):
+        given = signature.bind(*args, **kwargs).arguments
+        logits = given["processed_logits"]
+        if given["top_k"] is not None or given["top_p"] is not None:
+            logits = logits.clone()
+        sampled, _ = inner(*args, **kwargs)
+        return sampled, logits
+
+    sampler._sample_random = _sample_random

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -34,10 +33,11 @@ from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_seq
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
+from services.trainer.backends.full_weights import full_weights
 from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
-from services.trainer.lora import adapters_off, apply_lora, merge_lora
+from services.trainer.lora import adapters_off, apply_lora
 from services.trainer.optim import build_optimizer, build_scheduler
 from services.trainer.plan import logprob_plan, optimizer_steps, train_plan
 
@@ -53,8 +53,8 @@ class FSDP2Backend(TrainingBackend):
             raise ValueError(f"policy.tensor_parallel_size {self.tp} does not divide the trainer's {self.world} ranks")
         self.dp_rank, self.dp = self.rank // self.tp, self.world // self.tp
         """Data-parallel rank and size: the ranks of one TP group (consecutive ranks) train on the same rows."""
-        cuda = torch.cuda.is_available()
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        self.device = torch.device(info.device)  # from the config (distributed.trainer_device), not the host
+        cuda = self.device.type == "cuda"
         self.publish_dtype = getattr(torch, cfg.policy.precision)
         self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
@@ -201,11 +201,11 @@ class FSDP2Backend(TrainingBackend):
     # ---- weights and checkpoints ---------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=self.device.type == "cpu")
-        state = get_model_state_dict(self.model, options=opts)
-        if self.lora:
-            state = merge_lora(state, self.lora.scale)
-        return {k: v.to(self.publish_dtype) for k, v in state.items()}
+        """Cast to the publish dtype before each gather; only rank 0 (the weight channel's sender) keeps the
+        dict, on the device the channel sends from: the GPU for nccl, else host memory (full_weights.py)."""
+        on = self.device if self.cfg.weight_sync.backend == "nccl" else torch.device("cpu")
+        return full_weights(self.model, self.publish_dtype, keep=self.rank == 0, device=on,
+                            lora_scale=self.lora.scale if self.lora else None)
 
     def save(self, directory: Path) -> None:
         model, optim = get_state_dict(self.model, self.optimizer)

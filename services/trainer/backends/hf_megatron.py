@@ -9,7 +9,17 @@
                                               self_attention.linear_qkv.layer_norm_weight (TE spec, fused)
     post_attention_layernorm.weight     <->   pre_mlp_layernorm.weight               (local spec)
                                               mlp.linear_fc1.layer_norm_weight       (TE spec, fused)
+    self_attn.{q,k}_norm.weight         <->   self_attention.{q,k}_layernorm.weight   (Qwen3)
     model.embed_tokens / model.norm / lm_head <-> embedding.word_embeddings / decoder.final_layernorm / output_layer
+
+Tied models (tie_word_embeddings) have no output_layer on a stage that holds the embedding: Megatron
+multiplies by the embedding itself. With pipeline stages, the last stage keeps its own copy, which
+Megatron keeps equal by summing the two gradients (finalize_model_grads); that copy is dropped on the
+way back. HF's state dict still lists a tied lm_head.weight (state_dict does not deduplicate aliases),
+so megatron_to_hf emits it, as the embedding, where HF lists it.
+
+megatron_to_hf yields the names in the order of the HF model's own state dict: the weight channel's
+manifest is that order (services/common/weights/manifest.py), and its digest covers the order.
 
 linear_qkv holds, for each of the G key/value groups in turn, that group's H/G query heads,
 then its key head, then its value head (Megatron splits it back the same way in attention).
@@ -38,13 +48,21 @@ class Shape:
     head_dim: int
     fused_norms: bool = True
     """Transformer Engine spec (norm weights inside linear_qkv / linear_fc1); False: the local spec."""
+    tied: bool = False
+    """tie_word_embeddings: lm_head is the embedding."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head (Qwen3)."""
+    vocab_size: int = 0
+    """Embedding rows."""
 
     @classmethod
     def of(cls, hf_config, fused_norms: bool = True) -> Shape:
-        """From a transformers LlamaConfig / Qwen2Config."""
+        """From a transformers LlamaConfig / Qwen2Config / Qwen3Config."""
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return cls(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads, head_dim, fused_norms)
+        return cls(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads, head_dim, fused_norms,
+                   tied=bool(hf_config.tie_word_embeddings), qk_norm=hf_config.model_type == "qwen3",
+                   vocab_size=hf_config.vocab_size)
 
 
 def _norm_names(s: Shape) -> tuple[str, str]:
@@ -73,8 +91,9 @@ def _qkv_to_hf(qkv: Tensor, s: Shape) -> tuple[Tensor, Tensor, Tensor]:
 
 def hf_to_megatron(hf: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"],
-           "output_layer.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not s.tied:
+        out["output_layer.weight"] = hf["lm_head.weight"]
     attn_norm, mlp_norm = _norm_names(s)
     for i in range(s.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -85,6 +104,9 @@ def hf_to_megatron(hf: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
             out[m + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s)
         out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        if s.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
         out[m + attn_norm] = hf[h + "input_layernorm.weight"]
@@ -92,26 +114,36 @@ def hf_to_megatron(hf: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
     return out
 
 
-def megatron_to_hf(mc: dict[str, Tensor], s: Shape, tied: bool = False) -> dict[str, Tensor]:
-    out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
-           "model.norm.weight": mc["decoder.final_layernorm.weight"]}
-    if not tied:
-        out["lm_head.weight"] = mc["output_layer.weight"]
-    attn_norm, mlp_norm = _norm_names(s)
+def megatron_to_hf(mc: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
+    """The HF state dict, names in HF's order: embedding, each layer as its modules register, norm, lm_head."""
+    out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"]}
     for i in range(s.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
-        q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.weight"], s)
-        out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
-        if m + "self_attention.linear_qkv.bias" in mc:
-            q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.bias"], s)
-            out |= {a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v}
-        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2)
-        out |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up}
-        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
-        out[h + "input_layernorm.weight"] = mc[m + attn_norm]
-        out[h + "post_attention_layernorm.weight"] = mc[m + mlp_norm]
+        out |= _layer_to_hf(mc, s, f"decoder.layers.{i}.", f"model.layers.{i}.")
+    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = mc["embedding.word_embeddings.weight" if s.tied else "output_layer.weight"]
+    return out
+
+
+def _layer_to_hf(mc: dict[str, Tensor], s: Shape, m: str, h: str) -> dict[str, Tensor]:
+    """One decoder layer: attention (q, k, v each with its bias, o, the q/k norms), MLP, then the two norms."""
+    a, out = h + "self_attn.", {}
+    q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.weight"], s)
+    biases = _qkv_to_hf(mc[m + "self_attention.linear_qkv.bias"], s) \
+        if m + "self_attention.linear_qkv.bias" in mc else None
+    for index, proj in enumerate("qkv"):
+        out[a + f"{proj}_proj.weight"] = (q, k, v)[index]
+        if biases:
+            out[a + f"{proj}_proj.bias"] = biases[index]
+    out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+    if s.qk_norm:
+        out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
+        out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
+    gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2)
+    out |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+            h + "mlp.down_proj.weight": mc[m + "mlp.linear_fc2.weight"]}
+    attn_norm, mlp_norm = _norm_names(s)
+    out[h + "input_layernorm.weight"] = mc[m + attn_norm]
+    out[h + "post_attention_layernorm.weight"] = mc[m + mlp_norm]
     return out
 
 
@@ -133,6 +165,8 @@ def tp_split(mc: dict[str, Tensor], s: Shape, tp: int) -> list[dict[str, Tensor]
     """The full Megatron state -> one state per tensor-parallel rank."""
     if s.num_kv_heads % tp:
         raise ValueError(f"{s.num_kv_heads} key/value groups do not split over tensor_model_parallel_size {tp}")
+    if s.vocab_size % tp:  # Megatron-LM pads the vocabulary; the HF embedding here is taken as it is
+        raise ValueError(f"a vocabulary of {s.vocab_size} does not split over tensor_model_parallel_size {tp}")
     shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     for name, t in mc.items():
         kind = _kind(name)
@@ -173,12 +207,13 @@ def tp_merge(shards: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def pp_split(mc: dict[str, Tensor], num_layers: int, pp: int) -> list[dict[str, Tensor]]:
+def pp_split(mc: dict[str, Tensor], s: Shape, pp: int) -> list[dict[str, Tensor]]:
     """One state per pipeline stage: consecutive layers (renumbered from 0), the embedding on the
-    first stage, the final norm and output layer on the last."""
-    if num_layers % pp:
-        raise ValueError(f"{num_layers} layers do not split over pipeline_model_parallel_size {pp}")
-    per = num_layers // pp
+    first stage, the final norm and output layer on the last (a tied model's last stage: a copy of the
+    embedding, as Megatron keeps one there)."""
+    if s.num_layers % pp:
+        raise ValueError(f"{s.num_layers} layers do not split over pipeline_model_parallel_size {pp}")
+    per = s.num_layers // pp
     stages: list[dict[str, Tensor]] = [{} for _ in range(pp)]
     for name, t in mc.items():
         if m := LAYER.match(name):
@@ -188,14 +223,19 @@ def pp_split(mc: dict[str, Tensor], num_layers: int, pp: int) -> list[dict[str, 
             stages[0][name] = t
         else:
             stages[-1][name] = t
+    if s.tied and pp > 1:
+        stages[-1]["output_layer.weight"] = mc["embedding.word_embeddings.weight"]
     return stages
 
 
-def pp_merge(stages: list[dict[str, Tensor]], num_layers: int) -> dict[str, Tensor]:
-    per = num_layers // len(stages)
+def pp_merge(stages: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
+    """The inverse of pp_split (a tied model's output_layer copy dropped)."""
+    per = s.num_layers // len(stages)
     out = {}
     for index, stage in enumerate(stages):
         for name, t in stage.items():
+            if s.tied and name == "output_layer.weight":
+                continue
             m = LAYER.match(name)
             out[f"decoder.layers.{index * per + int(m.group(1))}.{m.group(2)}" if m else name] = t
     return out

@@ -1,10 +1,13 @@
 """The Megatron-Core backend (policy.megatron_cfg.enabled): tensor and pipeline parallel GPTModel.
 
-NEVER RUN. megatron-core 0.16.1 needs CUDA for a forward pass and no GPU was available when
-this was written: the module imports, its weight conversion (hf_megatron.py) is tested bit for
-bit on CPU (also against a real GPTModel's names and shapes), and the calls below follow the
-megatron-core 0.16.1 source. The training path itself has not executed once; treat it as a
-starting point to validate on a GPU (docs/trainer.md lists what to check first).
+Verified on CPU only: megatron-core 0.16.1 needs CUDA for a forward pass and no GPU was available
+when this was written. What runs on CPU is tested there: the weight conversion (hf_megatron.py, bit
+for bit, and in the rollout manifest's order, tied and untied), and building the model
+(megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the
+weights loaded and gathered back) and its checkpoint directory. The schedule and per-group
+weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). The
+training step, the DDP wrapper, megatron's optimizer wrappers, dist_checkpointing's save and load, and the gathers on
+NCCL have not executed; no GPU test in this tree runs them yet (docs/trainer.md).
 
 Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
 are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
@@ -20,15 +23,18 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss
 from services.trainer.backends import TrainingBackend
-from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
-                                                   tp_merge, tp_split)
+from services.trainer.backends.hf_megatron import Shape
+from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
+from services.trainer.optim import build_scheduler
 
 
 class MegatronBackend(TrainingBackend):
@@ -46,51 +52,30 @@ class MegatronBackend(TrainingBackend):
         self.ps, self.tp, self.pp = ps, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         hf, self.tokenizer = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed)
         self.hf_config, self.generation_config = hf.config, hf.generation_config
-        self.shape = Shape.of(hf.config, fused_norms=True)
+        self.hf_names = list(hf.state_dict())  # the rollout's manifest order
+        self.shape = Shape.of(hf.config, fused_norms=te_available())
         self.model = self._build(hf)
         self.optimizer = self._optimizer()
+        self.torch_optimizers = torch_optimizers(self.optimizer)
+        self.schedulers = schedule(self.torch_optimizers, cfg.policy.scheduler)
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss  # fp16's loss scale; 1 otherwise
 
     def _build(self, hf) -> torch.nn.Module:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
 
-        c, ps = hf.config, self.ps
-        self.tconfig = TransformerConfig(
-            num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-            num_query_groups=c.num_key_value_heads, ffn_hidden_size=c.intermediate_size, gated_linear_unit=True,
-            activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
-            add_bias_linear=False, add_qkv_bias=getattr(c, "attention_bias", False) or c.model_type == "qwen2",
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            bf16=self.cfg.policy.precision == "bfloat16", params_dtype=torch.float32)
-        model = GPTModel(config=self.tconfig, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-                         vocab_size=c.vocab_size, max_sequence_length=self.cfg.policy.max_total_sequence_length,
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=c.tie_word_embeddings, position_embedding_type="rope",
-                         rotary_base=getattr(c, "rope_theta", 10000)).cuda()
-        full = hf_to_megatron(hf.state_dict(), self.shape)
-        stage = pp_split(full, c.num_hidden_layers, self.pp)[ps.get_pipeline_model_parallel_rank()]
-        shard = tp_split(stage, self.shape, self.tp)[ps.get_tensor_model_parallel_rank()]
-        missing, unexpected = model.load_state_dict(shard, strict=False)
-        if unexpected or any(not n.endswith("_extra_state") for n in missing):
-            raise RuntimeError(f"HF -> Megatron weights do not fit: missing {missing}, unexpected {unexpected}")
+        module, self.gpt = build_gpt(hf, self.cfg.policy)
+        self.tconfig = self.gpt.config
+        # The schedule calls it after the last micro-batch: DDP's all-reduce, then a tied model's embedding
+        # gradients summed between the first and last pipeline stages.
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
         return DistributedDataParallel(config=self.tconfig, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True), module=model)
+            grad_reduce_in_fp32=True), module=module)
 
     def _optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
-        o = self.cfg.policy.optimizer
-        name = o.name.rsplit(".", 1)[-1].lower()
-        if name not in ("adamw", "adam", "sgd"):
-            raise ValueError(f"the Megatron backend supports AdamW, Adam and SGD, not {o.name}")
-        k = o.kwargs
-        betas = k.get("betas", (0.9, 0.999))
-        return get_megatron_optimizer(OptimizerConfig(
-            optimizer="sgd" if name == "sgd" else "adam", lr=k["lr"], weight_decay=k.get("weight_decay", 0.0),
-            adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=k.get("eps", 1e-8),
-            clip_grad=self.cfg.policy.max_grad_norm or 0.0, bf16=self.tconfig.bf16), [self.model])
+        return get_megatron_optimizer(optimizer_config(self.cfg, self.tconfig), [self.model])
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -114,10 +99,9 @@ class MegatronBackend(TrainingBackend):
         return -vocab_parallel_cross_entropy((logits[:, :-1].float() / t).contiguous(), targets.cuda())
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
-        mb = self.cfg.policy.train_micro_batch_size
         dp = self.ps.get_data_parallel_world_size()
-        mine = list(range(self.ps.get_data_parallel_rank(), len(b), dp))
-        rows = [mine[i:i + mb] for i in range(0, len(mine), mb)]
+        rows = micro_batches(len(b), self.ps.get_data_parallel_rank(), dp, self.cfg.policy.train_micro_batch_size,
+                             self.pp)
         mask = b.token_mask * b.sample_mask[:, None]
         totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
                       global_valid_seqs=max(1.0, b.sample_mask.sum().item()))
@@ -135,42 +119,119 @@ class MegatronBackend(TrainingBackend):
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run(b, rows, loss_of)
-        self.model.finish_grad_sync()
         ok, grad_norm, _ = self.optimizer.step()
         metrics = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
-        return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
+        for s in self.schedulers:  # once per trainer step, after it, as the FSDP2 backend and NeMo RL step it
+            s.step()
+        return metrics
 
     # ---- weights and checkpoints ---------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Gather tensor shards, then pipeline stages, to global rank 0; convert to HF names there."""
-        import torch.distributed as dist
-
-        local = {k: v.detach().cpu() for k, v in self.model.module.state_dict().items()
-                 if v is not None and not k.endswith("_extra_state")}
-        shards = [None] * self.tp
-        dist.all_gather_object(shards, local, group=self.ps.get_tensor_model_parallel_group())
-        stages = [None] * self.pp
-        dist.all_gather_object(stages, tp_merge(shards, self.shape),
-                               group=self.ps.get_pipeline_model_parallel_group())
+        hf = gather_hf(self.gpt, self.shape)
         if self.rank != 0:
             return {}
-        merged = pp_merge(stages, self.shape.num_layers)
-        hf = megatron_to_hf(merged, self.shape, tied=self.hf_config.tie_word_embeddings)
+        if list(hf) != self.hf_names:  # the rollout would refuse the manifest's digest
+            raise RuntimeError(f"Megatron -> HF names differ from the HF model's: "
+                               f"{sorted(set(hf) ^ set(self.hf_names)) or 'same names, another order'}")
         return {k: v.to(getattr(torch, self.cfg.policy.precision)) for k, v in hf.items()}
 
     def save(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(directory / "policy"))
+        save_sharded(self.gpt, directory / "policy")
+        if self.rank == 0:  # every rank runs the same schedule
+            torch.save([s.state_dict() for s in self.schedulers], directory / "scheduler.pt")
 
     def load(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        state = dist_checkpointing.load(self.model.module.sharded_state_dict(), str(directory / "policy"))
-        self.model.module.load_state_dict(state)
+        load_sharded(self.gpt, directory / "policy")
+        # Under bf16 the optimizer holds fp32 copies made at build; without this its next step would copy them back
+        # over the loaded weights (megatron's docstring: call it when loading a model without its optimizer).
+        # Untested: it needs CUDA.
+        self.optimizer.reload_model_params()
+        restore(self.torch_optimizers, self.schedulers, torch.load(directory / "scheduler.pt", weights_only=True))
 
     def hf_files(self, directory: Path) -> None:
         self.hf_config.save_pretrained(directory)
         self.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+
+
+def optimizer_config(cfg: FlywheelConfig, tconfig):
+    """Megatron's OptimizerConfig for policy.optimizer (the torch name nemo_rl_megatron.py maps megatron_cfg's
+    optimizer onto): adam runs torch's AdamW, or Adam with decoupled_weight_decay off."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = cfg.policy.optimizer
+    name = o.name.rsplit(".", 1)[-1].lower()
+    if name not in ("adamw", "adam", "sgd"):
+        raise ValueError(f"the Megatron backend supports AdamW, Adam and SGD, not {o.name}")
+    k = o.kwargs
+    betas = k.get("betas", (0.9, 0.999))
+    return OptimizerConfig(
+        optimizer="sgd" if name == "sgd" else "adam", decoupled_weight_decay=name != "adam", lr=k["lr"],
+        weight_decay=k.get("weight_decay", 0.0), adam_beta1=betas[0], adam_beta2=betas[1],
+        adam_eps=k.get("eps", 1e-8), clip_grad=cfg.policy.max_grad_norm or 0.0, bf16=tconfig.bf16,
+        fp16=tconfig.fp16, params_dtype=tconfig.params_dtype)
+
+
+def torch_optimizers(optimizer) -> list[Optimizer]:
+    """The torch optimizers inside megatron's (a ChainedOptimizer of one per dense / expert part, each wrapping
+    one): their param groups are the ones megatron's own OptimizerParamScheduler would set lr and decay on."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def schedule(optimizers: list[Optimizer], entries: list) -> list[LRScheduler]:
+    """policy.scheduler (NeMo RL's Megatron schedule as torch schedulers, nemo_rl_megatron.py) on each optimizer,
+    and megatron's per-group weight decay: its groups mark biases and 1-d weights (norms) wd_mult 0, which only
+    megatron's scheduler, not run here, applies. The decay itself is constant: nemo_rl_megatron.py refuses more."""
+    for o in optimizers:
+        for g in o.param_groups:
+            g["weight_decay"] *= g.get("wd_mult", 1.0)
+    return [build_scheduler(o, entries) for o in optimizers]
+
+
+def restore(optimizers: list[Optimizer], schedulers: list[LRScheduler], states: list[dict]) -> None:
+    """Resume the schedule saved with the checkpoint. The optimizer's own state is not saved (docs/trainer.md), so
+    the groups' lr, from which torch's schedulers take each next step, is set from the schedule here."""
+    for o, s, state in zip(optimizers, schedulers, states, strict=True):
+        s.load_state_dict(state)
+        for g, lr in zip(o.param_groups, s.get_last_lr(), strict=True):
+            g["lr"] = lr
+
+
+def micro_batches(n: int, dp_rank: int, dp: int, size: int, pp: int) -> list[list[int]]:
+    """This data-parallel rank's rows of an n-row batch (every dp-th), in micro-batches of `size` rows. With
+    pipeline stages every micro-batch must hold `size` rows: the schedule sends activations of that fixed shape."""
+    mine = list(range(dp_rank, n, dp))
+    if pp > 1 and len(mine) % size:
+        raise ValueError(f"pipeline_model_parallel_size {pp} needs micro-batches of exactly train_micro_batch_size "
+                         f"{size} rows; this data-parallel rank has {len(mine)} of the batch's {n}")
+    return [mine[i:i + size] for i in range(0, len(mine), size)]
+
+
+def save_sharded(gpt: torch.nn.Module, target: Path) -> None:
+    """Collective: every rank writes its shards of `gpt` into `target` (CUDA only: megatron-core 0.16's writer
+    synchronises the device and gathers its results on it)."""
+    from megatron.core import dist_checkpointing
+
+    make_checkpoint_dir(target)
+    dist_checkpointing.save(gpt.sharded_state_dict(), str(target))
+
+
+def make_checkpoint_dir(target: Path) -> None:
+    """Collective: rank 0 creates `target`, the others wait for it; dist_checkpointing.save refuses a missing
+    directory. `target` sits inside the checkpoint's tmp_step_N, which checkpoint.py renames once every rank
+    has finished: the save is atomic there."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        target.mkdir(parents=True)
+    dist.barrier()
+
+
+def load_sharded(gpt: torch.nn.Module, target: Path) -> None:
+    """Collective: load what save_sharded wrote into `gpt`, each rank its shards."""
+    from megatron.core import dist_checkpointing
+
+    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), str(target)))

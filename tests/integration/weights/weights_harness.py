@@ -49,11 +49,13 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 def spawn(store_address: str, worker_id: str, *, backend: str = "gloo", versions: int = 1, n_small: int = 40,
           large_numel: int = 300_000, sleep_per_bucket: float = 0.0, timeout_s: float = 15.0,
-          device: str = "cpu") -> subprocess.Popen:
-    """Start a receiver worker process; it exits after receiving `versions` versions."""
+          device: str = "cpu", deadlines: str = "") -> subprocess.Popen:
+    """Start a receiver worker process; it exits after receiving `versions` versions. `deadlines="nccl"` runs a
+    gloo receiver under nccl's deadline rule (backends/collective.py, DEADLINES)."""
     cmd = [sys.executable, __file__, "--store", store_address, "--worker-id", worker_id, "--backend", backend,
            "--versions", str(versions), "--n-small", str(n_small), "--large-numel", str(large_numel),
-           "--sleep-per-bucket", str(sleep_per_bucket), "--timeout", str(timeout_s), "--device", device]
+           "--sleep-per-bucket", str(sleep_per_bucket), "--timeout", str(timeout_s), "--device", device,
+           "--deadlines", deadlines or backend]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # Wait until it has imported torch and built its receiver, so join timeouts measure the protocol only.
@@ -114,6 +116,7 @@ def _main() -> None:
     p.add_argument("--sleep-per-bucket", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=15.0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--deadlines", default="")
     a = p.parse_args()
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
@@ -123,6 +126,10 @@ def _main() -> None:
     if a.sleep_per_bucket:
         _slow_unpack(a.backend, a.sleep_per_bucket)
     receiver = WeightReceiver(a.worker_id, a.backend, host="127.0.0.1")
+    if a.deadlines and a.deadlines != a.backend:
+        from services.common.weights.backends.collective import DEADLINES
+
+        receiver.backend.deadlines = DEADLINES[a.deadlines]
     state0 = make_state(0, n_small=a.n_small, large_numel=a.large_numel)
     into = {k: v.to(a.device) for k, v in empty_like_state(state0).items()}
     print(json.dumps({"event": "ready"}), flush=True)

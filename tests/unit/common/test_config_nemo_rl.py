@@ -51,13 +51,13 @@ def test_the_8b_config_inherits_the_1b_through_defaults():
 def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
     _, notes = load(CONFIGS / "grpo_math_1B.yaml", EDITS)
     keys = {key for key, _ in notes}
-    assert {"cluster", "policy.dtensor_cfg", "policy.megatron_cfg.*"} <= keys
+    assert {"cluster", "policy.dtensor_cfg._v2", "policy.megatron_cfg.*"} <= keys
     assert all(why.startswith("accepted, no effect: ") for _, why in notes)
 
 
 @pytest.mark.parametrize("override, key", [
     ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
-    ("policy.dtensor_cfg.context_parallel_size=2", "policy.dtensor_cfg"),
+    ("policy.dtensor_cfg.context_parallel_size=2", "policy.dtensor_cfg.context_parallel_size"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
 ])
@@ -134,14 +134,18 @@ def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
     assert cfg.data.validation.repeat == 16
 
 
-@pytest.mark.parametrize("overrides", [
-    ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
-    ["policy.dtensor_cfg.context_parallel_size=2"],
-    ["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"],
-    ["++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"]])
-def test_dtensor_settings_the_trainer_lacks_are_still_refused(overrides):
-    with pytest.raises(ConfigError, match="policy.dtensor_cfg: Flywheel cannot honour"):
+@pytest.mark.parametrize("overrides, key", [
+    (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"], "sequence_parallel"),
+    (["policy.dtensor_cfg.context_parallel_size=2"], "context_parallel_size"),
+    (["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"], "automodel_kwargs"),
+    (["++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"], "automodel_kwargs"),
+    (["++policy.dtensor_cfg.expert_parallel_size=8"], "expert_parallel_size"),
+    (["policy.dtensor_cfg.enabled=false"], "enabled")])
+def test_dtensor_settings_the_trainer_lacks_are_refused_by_their_own_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *overrides])
+    assert str(err.value).splitlines() == [line for line in str(err.value).splitlines()
+                                           if f"policy.dtensor_cfg.{key}: Flywheel cannot honour" in line] != []
 
 
 def test_dtensor_tensor_parallelism_is_taken_and_its_padding_is_accepted():
@@ -265,3 +269,15 @@ def test_multiple_dataloader_settings_are_inert_while_use_multiple_dataloader_is
     assert {"data.num_prompts_per_dataloader", "data.custom_dataloader"} <= {key for key, _ in notes}
     with pytest.raises(ConfigError, match="data.use_multiple_dataloader"):
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *extra, "data.use_multiple_dataloader=true"])
+
+
+def test_nemo_rls_nixl_refit_is_the_nixl_weight_channel():
+    """grpo_math_8B_megatron_nixl.yaml's transport; a weight_sync.backend set otherwise conflicts with it."""
+    cfg = load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml", EDITS)
+    assert cfg.weight_sync.backend == "nixl"
+    assert load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).weight_sync.backend == "gloo"
+    with pytest.raises(ConfigError, match="refit_transport: means weight_sync.backend, which is set to 'nccl'"):
+        load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml", [*EDITS, "++weight_sync.backend=nccl"])
+    with pytest.raises(ConfigError, match="refit_cfg.nixl.backend_name: Flywheel cannot honour 'LIBFABRIC'"):
+        load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml",
+                    [*EDITS, "policy.generation.refit_cfg.nixl.backend_name=LIBFABRIC"])

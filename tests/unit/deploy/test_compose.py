@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -276,3 +277,59 @@ def test_cpu_config_and_commands_resolve(tmp_path):
         args = build_parser().parse_args(_container_argv(cpu[f"{name}-cpu"], tmp_path))
         cfg = load_config(COMPOSE_DIR / "config.cpu.yaml", args.overrides)
         assert args.service == name and cfg.policy.model_name == "tiny" and cfg.weight_sync.backend == "gloo"
+
+
+GPUS_PY = COMPOSE_DIR / "gpus.py"
+
+
+def _gpus_py(visible: str, *overrides: str) -> subprocess.CompletedProcess:
+    """deploy/compose/gpus.py on a host whose GPUs are `visible` (the planner reads CUDA_VISIBLE_DEVICES first)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+    return subprocess.run([sys.executable, str(GPUS_PY), *overrides], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+def _env_lines(stdout: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in stdout.splitlines() if line and not line.startswith("#"))
+
+
+def test_each_gpu_service_reserves_the_devices_of_its_own_variable_never_a_count(compose):
+    for name, var in (("trainer", "TRAINER_GPU"), ("rollout", "ROLLOUT_GPU"), ("reward-model", "REWARD_MODEL_GPU")):
+        (device,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device  # the engine would give every container the first GPUs
+        assert re.fullmatch(rf"\$\{{{var}:-\d\}}", device["device_ids"][0]) and len(device["device_ids"]) == 1
+
+
+def test_gpus_py_plans_the_reservations_and_compose_renders_them(tmp_path):
+    run = _gpus_py("0,1,2,3", "trainer.nproc_per_node=2", "policy.generation.vllm_cfg.tensor_parallel_size=2")
+    assert run.returncode == 0, run.stderr
+    lines = _env_lines(run.stdout)
+    assert lines == {"TRAINER_GPU": "0,1", "ROLLOUT_GPU": "2,3"}
+    rendered = _compose_config(tmp_path, [COMPOSE_FILE], {**os.environ, **SECRETS, **lines})
+    assert rendered.returncode == 0, rendered.stderr
+    services = yaml.safe_load(rendered.stdout)["services"]
+    ids = {n: services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in TORCH}
+    assert ids == {"trainer": ["0,1"], "rollout": ["2,3"]}
+
+
+def test_gpus_py_on_one_gpu_refuses_nccl_and_time_shares_it_with_gloo():
+    refused = _gpus_py("0")  # config.yaml: nccl
+    assert refused.returncode == 2
+    assert "config error: weight_sync.backend: nccl between processes that share a device" in refused.stderr
+    assert "use gloo" in refused.stderr
+    run = _gpus_py("0", "weight_sync.backend=gloo")
+    assert run.returncode == 0, run.stderr
+    assert _env_lines(run.stdout) == {"TRAINER_GPU": "0", "ROLLOUT_GPU": "0"}
+
+
+def test_gpus_py_checks_that_scaled_rollout_replicas_fit_their_shared_gpu():
+    crowded = _gpus_py("0,1", "rollout.num_workers=2")  # two replicas x 0.6 of GPU 1
+    assert crowded.returncode == 2 and "policy.generation.vllm_cfg.gpu_memory_utilization" in crowded.stderr
+    run = _gpus_py("0,1", "rollout.num_workers=2", "policy.generation.vllm_cfg.gpu_memory_utilization=0.4",
+                   "weight_sync.backend=gloo")
+    assert run.returncode == 0 and _env_lines(run.stdout) == {"TRAINER_GPU": "0", "ROLLOUT_GPU": "1"}
+
+
+def test_gpus_py_without_a_gpu_points_at_the_cpu_file():
+    run = _gpus_py("")
+    assert run.returncode == 2 and "docker-compose.cpu.yml" in run.stderr

@@ -230,3 +230,40 @@ def test_make_sbatch_refuses_a_tp_that_does_not_divide_the_rollout_gpus():
     assert run.returncode == 2 and ("--rollout-gpus 8 is not a multiple of "
                                     "policy.generation.vllm_cfg.tensor_parallel_size 3") in run.stderr
     assert _make_sbatch("deploy/compose/config.yaml", "--rollout-gpus", "6", *tp3).returncode == 0
+
+
+def _rollout_task_devices(tmp_path: Path, local_id: int, visible: str | None, tp: int) -> subprocess.CompletedProcess:
+    """The CUDA_VISIBLE_DEVICES the worker of task `local_id` starts with, given what srun handed the task."""
+    fake = tmp_path / "flywheel"
+    fake.write_text("#!/usr/bin/env python3\nimport os\nprint(os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env |= {"FLYWHEEL_BIN": str(fake), "FLYWHEEL_RESOLVED_CONFIG": "/shared/run/config.yaml",
+            "SLURM_LOCALID": str(local_id), "FLYWHEEL_ROLLOUT_TP": str(tp)}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return subprocess.run(["bash", str(ROLLOUT_TASK)], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("local_id, visible, tp, expected", [
+    (1, "0,1,2,3,4,5,6,7", 2, "2,3"),  # every task sees the node's GPUs: task 1 takes its TP slice
+    (3, "0,1,2,3", 1, "3"),
+    (0, "GPU-a,GPU-b", 1, "GPU-a"),
+    (5, "6", 1, "6"),                  # Slurm bound the task's GPU itself: kept
+    (2, "4,5", 2, "4,5"),
+    (0, None, 1, "None"),              # a CPU job: nothing set, nothing added
+])
+def test_a_rollout_task_starts_on_its_own_gpus(tmp_path, local_id, visible, tp, expected):
+    run = _rollout_task_devices(tmp_path, local_id, visible, tp)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == expected
+
+
+def test_a_rollout_task_without_gpus_of_its_own_stops_with_the_reason(tmp_path):
+    run = _rollout_task_devices(tmp_path, 2, "0,1,2,3", 2)
+    assert run.returncode == 1 and "task 2 needs GPUs 4..5 of CUDA_VISIBLE_DEVICES=0,1,2,3" in run.stderr
+
+
+def test_launch_hands_the_rollout_tasks_their_tp(tmp_path):
+    _, run_dir = _dry_run(tmp_path, "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2")
+    assert "FLYWHEEL_ROLLOUT_TP=2" in (run_dir / "launch_env.txt").read_text().splitlines()

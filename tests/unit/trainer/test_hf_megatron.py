@@ -1,22 +1,25 @@
 """HF <-> Megatron-Core weight conversion: bit for bit both ways, the grouped QKV layout against a
-slow per-head reference, tensor/pipeline shards, and the names and shapes of a real GPTModel."""
+slow per-head reference, tensor/pipeline shards, the rollout's manifest (names, order, tied lm_head) of
+the same HF model (a real GPTModel's: test_megatron_build.py)."""
 
 import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from services.common.infra import free_port
+from services.common.weights.manifest import Manifest
+from services.rollout.engines.vllm import hf_manifest
 from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
                                                    tp_merge, tp_split)
 
-ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
-def hf_model(arch: str):
-    config = ARCH[arch](vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+def hf_model(arch: str, tied: bool = False, vocab_size: int = 48):
+    config = ARCH[arch](vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     for p in model.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
@@ -33,7 +36,7 @@ def test_hf_to_megatron_and_back_is_bit_for_bit(arch, fused):
     mc = hf_to_megatron(hf, shape)
     assert len(mc) < len(hf)  # q, k, v fused; gate, up fused
     back = megatron_to_hf(mc, shape)
-    assert back.keys() == hf.keys()
+    assert list(back) == list(hf)
     for name, t in hf.items():
         assert torch.equal(back[name], t), name
     again = hf_to_megatron(back, shape)
@@ -66,54 +69,48 @@ def test_qkv_layout_matches_the_per_head_reference():
     assert torch.equal(mc["decoder.layers.1.mlp.linear_fc1.weight"][gate.shape[0]:], up)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("fused", [True, False], ids=["te_spec", "local_spec"])
+@pytest.mark.parametrize("arch", sorted(ARCH))
+def test_megatron_to_hf_is_the_rollout_manifest_of_the_same_hf_model(arch, fused, tied):
+    """The weight channel's digest covers names, shapes, dtypes and order; rollout builds its manifest from the
+    HF model (hf_manifest for vLLM, the state dict for the hf engine), lm_head.weight included when tied."""
+    model = hf_model(arch, tied)
+    shape = Shape.of(model.config, fused_norms=fused)
+    mc = hf_to_megatron(model.state_dict(), shape)
+    assert ("output_layer.weight" in mc) is not tied  # a tied GPTModel on one stage has no output layer
+    back = megatron_to_hf(mc, shape)
+    assert Manifest.of(back) == hf_manifest(model) == Manifest.of(model.state_dict())
+    assert torch.equal(back["lm_head.weight"], model.state_dict()["lm_head.weight"])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp):
-    model = hf_model("qwen2")
+def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, tied):
+    model = hf_model("qwen2", tied)
     shape = Shape.of(model.config)
     mc = hf_to_megatron(model.state_dict(), shape)
-    stages = pp_split(mc, shape.num_layers, pp)
-    assert "embedding.word_embeddings.weight" in stages[0] and "output_layer.weight" in stages[-1]
+    stages = pp_split(mc, shape, pp)
+    assert "embedding.word_embeddings.weight" in stages[0]
+    # The last stage holds an output layer unless one stage holds both ends of a tied model.
+    assert ("output_layer.weight" in stages[-1]) is (not tied or pp > 1)
+    if tied and pp > 1:
+        assert torch.equal(stages[-1]["output_layer.weight"], mc["embedding.word_embeddings.weight"])
     shards = [tp_split(stage, shape, tp) for stage in stages]
     qkv = shards[0][-1]["decoder.layers.0.self_attention.linear_qkv.weight"]  # last TP rank: the last groups
     per_group = (shape.num_heads // shape.num_kv_heads + 2) * shape.head_dim
     assert torch.equal(qkv, mc["decoder.layers.0.self_attention.linear_qkv.weight"][-qkv.shape[0]:])
     assert qkv.shape[0] == per_group * shape.num_kv_heads // tp
-    merged = pp_merge([tp_merge(s, shape) for s in shards], shape.num_layers)
+    merged = pp_merge([tp_merge(s, shape) for s in shards], shape)
     assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
+    assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
 
 
-def test_names_and_shapes_match_a_real_megatron_core_gpt_model():
-    pytest.importorskip("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    model = hf_model("qwen2")
-    c = model.config
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        cfg = TransformerConfig(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-                                num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
-                                ffn_hidden_size=c.intermediate_size, gated_linear_unit=True,
-                                activation_func=torch.nn.functional.silu, normalization="RMSNorm",
-                                add_bias_linear=False, add_qkv_bias=True, use_cpu_initialization=True)
-        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                       vocab_size=c.vocab_size, max_sequence_length=128, position_embedding_type="rope",
-                       share_embeddings_and_output_weights=False)
-        expected = {n: t.shape for n, t in gpt.state_dict().items() if not n.endswith("_extra_state")}
-        mc = hf_to_megatron(model.state_dict(), Shape.of(c, fused_norms=False))
-        assert {n: t.shape for n, t in mc.items()} == expected
-        missing, unexpected = gpt.load_state_dict(mc, strict=False)
-        assert not unexpected and all(n.endswith("_extra_state") for n in missing)
-        back = megatron_to_hf({n: t for n, t in gpt.state_dict().items() if t is not None}, Shape.of(c, False))
-        assert all(torch.equal(back[n], t) for n, t in model.state_dict().items())
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def test_tensor_parallel_split_refuses_a_vocabulary_it_cannot_divide():
+    model = hf_model("llama", vocab_size=49)
+    shape = Shape.of(model.config)
+    with pytest.raises(ValueError, match="vocabulary of 49"):
+        tp_split(hf_to_megatron(model.state_dict(), shape), shape, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

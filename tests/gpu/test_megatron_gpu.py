@@ -1,0 +1,134 @@
+"""Stage `megatron`: the Megatron-Core backend at TP = PP = 1 on one GPU, on a tied and an untied qwen2 model.
+
+For each: the GPTModel's logits against the Hugging Face model it was converted from (same random weights,
+float32, so the conversion is what is compared), one training step, `full_state_dict` against the rollout's
+manifest, and a checkpoint: saved into a fresh step directory as the trainer does (checkpoint.py), then
+loaded back after a second step has moved the weights. megatron-core cannot run a forward pass on CPU, so
+nothing here runs on the CPU dry run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpu_env import cuda_count, need_module
+from shapes import overrides
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512,
+             num_key_value_heads=2, vocab_size=1024, tied=False)
+"""Grouped-query attention (4 heads per key/value head) and qwen2's q/k/v biases; builds in seconds."""
+
+
+def need_megatron() -> None:
+    if cuda_count() == 0:
+        pytest.skip("no CUDA device: megatron-core needs CUDA for a forward pass")
+    need_module("megatron", "bring megatron-core's wheel (tests/gpu/README.md)")
+
+
+def megatron_config(tied: bool, precision: str = "float32", tp: int = 1):
+    from trainer_harness import config
+
+    return config(*overrides(SHAPE, tied=tied), f"policy.precision={precision}",
+                  "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
+                  "policy.max_total_sequence_length=64")
+
+
+def build(cfg):
+    from services.trainer.backends.megatron import MegatronBackend
+    from services.trainer.distributed import init_distributed, trainer_device
+
+    return MegatronBackend(cfg, init_distributed(600, trainer_device(cfg)))
+
+
+def teardown_megatron() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def logits_gap(backend, cfg) -> tuple[float, float]:
+    """(max |Megatron - HF| over the logits of one batch, max |HF logits|)."""
+    import torch
+
+    from services.common.modeling import load_policy
+
+    hf, _ = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed, "cuda")
+    ids = torch.randint(4, 60, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits.float()
+        backend.model.eval()
+        got = backend.model(input_ids=ids, position_ids=None, attention_mask=None).float()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
+def step(backend, cfg, seed: int = 0) -> dict:
+    from trainer_harness import step_batch
+
+    batch, advantages = step_batch(cfg, seed=seed)
+    backend.model.train()
+    metrics = backend.train_step(batch, advantages)
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert finite and metrics["grad_norm"] > 0, metrics
+    return metrics
+
+
+def check_manifest(backend, cfg, tied: bool) -> dict:
+    import torch
+
+    from services.common.weights import Manifest
+    from services.rollout.engines.vllm import hf_manifest, meta_policy_model
+
+    state = backend.full_state_dict()
+    rollout = hf_manifest(meta_policy_model(cfg.policy, len(backend.tokenizer), cfg.run.seed))
+    assert [s.name for s in Manifest.of(state).specs] == [s.name for s in rollout.specs]
+    assert Manifest.of(state).digest == rollout.digest
+    assert ("lm_head.weight" in state) == ("lm_head.weight" in [s.name for s in rollout.specs])
+    if tied:
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    return state
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_megatron_tp1_pp1_matches_hf_logits_steps_and_checkpoints(tied, tmp_path, figures):
+    import torch
+
+    need_megatron()
+    cfg = megatron_config(tied)
+    backend = build(cfg)
+    try:
+        gap, scale = logits_gap(backend, cfg)
+        figures.update(logits_max_abs_diff=gap, logits_max_abs=scale)
+        assert gap <= 1e-3 * max(1.0, scale), f"Megatron logits differ from HF's by {gap} (scale {scale})"
+        figures["step1"] = step(backend, cfg)
+        saved = check_manifest(backend, cfg, tied)
+        directory = tmp_path / "step_1"
+        directory.mkdir()  # as checkpoint.py makes it; the backend makes what it writes inside
+        backend.save(directory)
+        figures["checkpoint_files"] = sum(1 for p in directory.rglob("*") if p.is_file())
+        step(backend, cfg, seed=1)
+        moved = backend.full_state_dict()
+        assert any(not torch.equal(moved[k], saved[k]) for k in saved), "the second step changed nothing"
+        backend.load(directory)
+        restored = backend.full_state_dict()
+        assert all(torch.equal(restored[k], saved[k]) for k in saved), "load did not restore them"
+    finally:
+        teardown_megatron()
+
+
+def test_megatron_bf16_step_runs_and_stays_near_hf_logits(figures):
+    need_megatron()
+    cfg = megatron_config(tied=True, precision="bfloat16")
+    backend = build(cfg)
+    try:
+        gap, scale = logits_gap(backend, cfg)
+        figures.update(logits_max_abs_diff=gap, logits_max_abs=scale)
+        assert gap <= 0.05 * max(1.0, scale), f"bf16 Megatron logits differ from HF's float32 by {gap}"
+        figures["step1"] = step(backend, cfg)
+        check_manifest(backend, cfg, tied=True)
+    finally:
+        teardown_megatron()

@@ -1,0 +1,180 @@
+"""Building the Megatron-Core GPTModel on CPU with gloo, as the Megatron backend does on GPU: the local layer spec
+(no Transformer Engine here), the TransformerConfig read back from the built model (dropout, dtypes, pipeline
+dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 and TP = 2 on two ranks,
+RoPE against HF's own, and the checkpoint directory. The forward pass, the training step and megatron-core's
+sharded save need CUDA (tests/gpu/)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig
+from trainer_harness import run_ranks
+
+pytest.importorskip("megatron.core")
+from megatron.core import parallel_state  # noqa: E402
+
+from services.common.config import load_config  # noqa: E402
+from services.common.infra import free_port  # noqa: E402
+from services.common.modeling import load_policy  # noqa: E402
+from services.common.weights.manifest import Manifest  # noqa: E402
+from services.rollout.engines.vllm import hf_manifest  # noqa: E402
+from services.trainer.backends.hf_megatron import Shape, megatron_to_hf  # noqa: E402
+from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
+from services.trainer.backends.megatron_model import (build_gpt, check_architecture, gather_hf,  # noqa: E402
+                                                      rope_kwargs, te_available)
+
+
+def policy(*overrides: str):
+    return load_config(None, ["policy.megatron_cfg.enabled=true", *overrides]).policy
+
+
+def hf_model(p):
+    model, _ = load_policy(p.model_copy(update={"precision": "float32"}), seed=0)
+    for t in model.parameters():  # norms start at 1: make every tensor distinct
+        torch.nn.init.normal_(t)
+    return model
+
+
+@pytest.fixture
+def one_rank():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_layers_come_from_megatron_cores_local_spec_without_transformer_engine(one_rank):
+    if te_available():
+        pytest.skip("Transformer Engine is installed here: the backend takes its spec")
+    _, gpt = build_gpt(hf_model(policy()), policy(), cpu=True)
+    layer = gpt.decoder.layers[0]
+    assert type(layer.self_attention.linear_qkv).__name__ == "ColumnParallelLinear"
+    assert type(layer.self_attention.core_attention).__name__ == "DotProductAttention"
+    assert type(layer.input_layernorm).__name__ == "RMSNorm"  # torch's, through WrappedTorchNorm
+
+
+def test_bf16_policy_builds_bf16_parameters_in_float16module_without_dropout(one_rank):
+    p = policy("policy.precision=bfloat16")
+    module, gpt = build_gpt(hf_model(p), p, cpu=True)
+    c = gpt.config
+    assert (c.hidden_dropout, c.attention_dropout) == (0.0, 0.0)  # Megatron's default would be 0.1
+    assert c.bf16 and not c.fp16 and c.params_dtype == c.pipeline_dtype == torch.bfloat16
+    assert type(module).__name__ == "Float16Module" and module.module is gpt
+    assert {t.dtype for t in gpt.parameters()} == {torch.bfloat16}
+
+
+def test_float32_policy_builds_float32_parameters_unwrapped_and_dropout_follows_the_hf_config(one_rank):
+    p = policy("policy.hf_config_overrides.attention_dropout=0.25")
+    module, gpt = build_gpt(hf_model(p), p, cpu=True)
+    assert module is gpt and not gpt.config.bf16 and gpt.config.pipeline_dtype == torch.float32
+    assert {t.dtype for t in gpt.parameters()} == {torch.float32}
+    assert (gpt.config.attention_dropout, gpt.config.hidden_dropout) == (0.25, 0.0)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_built_model_holds_every_hf_weight_and_gives_them_back_in_manifest_order(one_rank, arch, tied):
+    # head_dim 16, not hidden_size / heads = 32: as Qwen3's checkpoints, whose head_dim is its own key
+    p = policy(f"policy.tiny.architecture={arch}", f"policy.hf_config_overrides.tie_word_embeddings={tied}",
+               "policy.hf_config_overrides.head_dim=16")
+    hf = hf_model(p)
+    assert hf.config.tie_word_embeddings is tied and hf.model.layers[0].self_attn.o_proj.in_features == 32
+    _, gpt = build_gpt(hf, p, cpu=True)
+    assert (gpt.output_layer.weight is None) is tied  # Megatron multiplies by the embedding itself
+    back = megatron_to_hf({n: t for n, t in gpt.state_dict().items() if t is not None}, Shape.of(hf.config, False))
+    assert Manifest.of(back) == hf_manifest(hf)
+    assert all(torch.equal(back[n], t) for n, t in hf.state_dict().items())
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_activation_checkpointing_recomputes_every_layer_as_nemo_rls_megatron_worker_sets_it(one_rank, on):
+    """NeMo RL's worker, for megatron_cfg.activation_checkpointing: granularity full, method uniform, 1 layer.
+    Only the built config is checked: the recomputing forward and backward need CUDA (tests/gpu/)."""
+    p = policy(f"policy.activation_checkpointing={on}")
+    _, gpt = build_gpt(hf_model(p), p, cpu=True)
+    for c in (gpt.config, gpt.decoder.config):  # the block reads its own reference when it runs forward
+        got = (c.recompute_granularity, c.recompute_method, c.recompute_num_layers)
+        assert got == (("full", "uniform", 1) if on else (None, None, None))
+
+
+def test_rope_base_is_the_hf_models(one_rank):
+    """transformers 5 keeps rope_theta in rope_parameters; Qwen2.5 uses 1e6, not Megatron's default 1e4."""
+    p = policy("policy.tiny.architecture=qwen2",
+               "policy.hf_config_overrides.rope_parameters={rope_type: default, rope_theta: 1000000.0}")
+    hf = hf_model(p)
+    assert rope_kwargs(hf.config) == dict(rotary_base=1e6)
+    _, gpt = build_gpt(hf, p, cpu=True)
+    assert torch.allclose(gpt.rotary_pos_emb.inv_freq.float(), hf.model.rotary_emb.inv_freq.float())
+
+
+def _parallel_rank(rank: int, tp: int, pp: int, hf_state: dict, out: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(tp, pp)
+    # Where the backend's save writes (checkpoint.py renames tmp_step_3 once every rank is done): rank 0 makes
+    # it, and no rank goes on to megatron's writer, which refuses a missing directory, before it exists.
+    target = Path(out).parent / "tmp_step_3" / "policy"
+    make_checkpoint_dir(target)
+    assert target.is_dir()
+    p = parallel_policy(tp, pp)
+    hf = hf_model(p)
+    hf.load_state_dict(hf_state)
+    _, gpt = build_gpt(hf, p, cpu=True)
+    shards = [None, None]
+    dist.all_gather_object(shards, sorted(gpt.state_dict()))
+    back = gather_hf(gpt, Shape.of(hf.config, False))  # what the backend publishes from
+    if rank == 0:
+        torch.save({"back": back, "layers": len(gpt.decoder.layers), "pipeline_dtype": gpt.config.pipeline_dtype,
+                    "names": shards, "qkv_rows": gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]},
+                   out)
+    else:
+        assert back == {}
+
+
+def parallel_policy(tp: int, pp: int):
+    return policy("policy.precision=bfloat16", "policy.tiny.num_hidden_layers=4", "policy.tiny.num_attention_heads=4",
+                  f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
+                  f"policy.megatron_cfg.pipeline_model_parallel_size={pp}")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
+def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_checkpoint_dir(tmp_path, tp, pp):
+    """Untied only: a tied model's last pipeline stage moves its output layer to CUDA in GPTModel's
+    constructor (setup_embeddings_and_output_layer), so PP = 2 tied is left to tests/gpu/."""
+    hf = hf_model(parallel_policy(tp, pp))
+    run_ranks(2, _parallel_rank, tp, pp, hf.state_dict(), str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt")
+    assert got["layers"] == 4 // pp and got["pipeline_dtype"] == torch.bfloat16
+    first, last = got["names"]
+    if pp == 2:
+        assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+        assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+    else:  # 4 heads, 4 groups of (1 query + key + value) heads of 16 rows, half on each rank
+        assert first == last and got["qkv_rows"] == 2 * 3 * 16
+    hf = hf.to(torch.bfloat16)  # as the bf16 GPTModel holds it
+    assert Manifest.of(got["back"]) == hf_manifest(hf)
+    assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
+
+
+def test_micro_batches_split_each_data_parallel_ranks_rows_and_pipelines_refuse_a_short_one():
+    assert micro_batches(10, 1, 2, 2, pp=1) == [[1, 3], [5, 7], [9]]
+    assert micro_batches(8, 0, 2, 2, pp=2) == [[0, 2], [4, 6]]
+    with pytest.raises(ValueError, match="exactly train_micro_batch_size 2 rows; .* has 5 of the batch's 10"):
+        micro_batches(10, 1, 2, 2, pp=2)
+
+
+def test_what_the_built_model_would_compute_differently_from_hf_is_refused():
+    llama31 = dict(rope_type="llama3", rope_theta=5e5, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    assert rope_kwargs(LlamaConfig(rope_parameters=llama31)) == dict(
+        rotary_base=5e5, rope_scaling=True, rope_scaling_factor=32.0)
+    with pytest.raises(ValueError, match="llama3 scaling only"):  # megatron fixes the three at Llama 3.1's
+        rope_kwargs(LlamaConfig(rope_parameters=llama31 | dict(high_freq_factor=2.0)))
+    with pytest.raises(ValueError, match="llama3 scaling only"):
+        rope_kwargs(LlamaConfig(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))
+    with pytest.raises(ValueError, match="o_proj and MLP biases"):
+        check_architecture(LlamaConfig(attention_bias=True))
