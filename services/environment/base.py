@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 Conversation = list[dict]
-"""OpenAI-style messages, each {"role": str, "content": str}; prompt first, newest assistant turn last."""
+"""OpenAI-style messages, each {"role": str, "content": str}; prompt first, newest assistant turn last. An assistant
+message that called tools also has "tool_calls" ([{"id", "type", "function": {"name", "arguments": JSON text}}]), a
+tool result "tool_call_id" and "name" (services/common/messages.py)."""
 
 
 class UnknownEnvironment(ValueError):
@@ -29,7 +31,10 @@ class StepResult:
     """The outcome of one turn of one episode."""
 
     observation: str
-    """Content of the role="environment" message appended to the conversation next."""
+    """Content of the role="environment" message appended to the conversation next (unless `messages` is set)."""
+    messages: list[dict] | None = None
+    """Messages appended instead of `observation`: one {"role": "tool", "content", "tool_call_id", "name"} per tool
+    call of the newest assistant turn, in call order. None: the observation."""
     reward: float = 0.0
     """This turn's reward; the sum of `named_rewards` when those are set."""
     named_rewards: dict[str, float] = field(default_factory=dict)
@@ -116,10 +121,11 @@ def _builtin() -> dict[str, type[Environment]]:
     from services.environment.envs.math import MathEnvironment
     from services.environment.envs.math_multi_reward import MathMultiRewardEnvironment
     from services.environment.envs.sliding_puzzle import SlidingPuzzleEnvironment
+    from services.environment.envs.tool_add import ToolAddEnvironment
     from services.environment.envs.toy_copy import ToyCopyEnvironment
 
     kinds = (MathEnvironment, MathMultiRewardEnvironment, CodeEnvironment, SlidingPuzzleEnvironment,
-             ExactMatchEnvironment, ToyCopyEnvironment)
+             ExactMatchEnvironment, ToyCopyEnvironment, ToolAddEnvironment)
     return {cls.kind: cls for cls in kinds}
 
 

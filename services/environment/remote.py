@@ -30,6 +30,7 @@ from prometheus_client import Counter
 
 from services.common.config import SecurityConfig
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.messages import message_to_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.common.server import channel
 from services.common.structs import from_struct
@@ -184,7 +185,8 @@ def _decode(r: environment_pb2.EpisodeResult) -> StepResult | None:
     """The result, or None when it is garbage (a non-finite reward)."""
     if not all(math.isfinite(x) for x in (r.reward, *r.named_rewards.values())):
         return None
-    return StepResult(observation=r.observation.content, reward=r.reward, named_rewards=dict(r.named_rewards),
+    return StepResult(observation=r.observation.content, messages=[message_to_dict(m) for m in r.observations] or None,
+                      reward=r.reward, named_rewards=dict(r.named_rewards),
                       terminated=r.terminated, next_stop_strings=list(r.next_stop_strings) or None,
                       metadata=from_struct(r.metadata) if r.HasField("metadata") else None,
                       answer=r.answer or None, error=r.error)

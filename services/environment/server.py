@@ -17,11 +17,11 @@ import asyncio
 import re
 import time
 
-from google.protobuf import json_format
 from opentelemetry import trace
 
 from services.common.config import REWARD_MODEL
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
+from services.common.messages import dataset_row, message_from_dict, message_to_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
@@ -37,7 +37,7 @@ a call at once with DEADLINE_EXCEEDED: every Prompts of the remote would have be
 
 
 def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
-    conversations = [[{"role": m.role, "content": m.content} for m in e.messages] for e in request.episodes]
+    conversations = [[message_to_dict(m) for m in e.messages] for e in request.episodes]
     metadata = []
     for i, e in enumerate(request.episodes):
         try:
@@ -51,7 +51,7 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
     out = environment_pb2.EpisodeResult(
         observation=types_pb2.ChatMessage(role="environment", content=r.observation), reward=r.reward,
         named_rewards=r.named_rewards, terminated=r.terminated, next_stop_strings=r.next_stop_strings or [],
-        answer=r.answer or "", error=r.error)
+        answer=r.answer or "", error=r.error, observations=[message_from_dict(m) for m in r.messages or []])
     if r.metadata is not None:
         out.metadata.CopyFrom(to_struct(r.metadata))
     return out
@@ -59,7 +59,7 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
 
 def _prompts(env: Environment, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
     rows = env.prompts(request.count, request.seed, request.offset) or []
-    return environment_pb2.PromptsResponse(rows=[json_format.ParseDict(r, types_pb2.DatasetRow()) for r in rows])
+    return environment_pb2.PromptsResponse(rows=[dataset_row(r) for r in rows])
 
 
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):

@@ -1,32 +1,39 @@
 """The multi-turn loop: sample G episodes of one prompt, step the environment each turn.
 
 Per turn, the active episodes are generated in one batch, then scored in one batched
-EnvironmentService.Step, shared with the groups that score at the same moment (`StepBatcher`).
+EnvironmentService.Step, shared with the groups that score at the same moment (`StepBatcher`, steps.py).
 The observation is appended as tokens with loss mask 0 (tokenized raw, as NeMo RL does) unless
-the episode ended. Each episode records the versions that produced its first and last generated token,
-as the engine reports them per token (they differ only when weights were swapped in flight). Each
-engine call is a `rollout.generate` span of the group's trace (time to first token, tokens, version,
-worker); docs/observability.md.
+the episode ended.
+
+Tools: a prompt group may offer tools (OpenAI definitions), which the chat template renders into the prompt.
+With policy.generation.tool_parser set, each assistant turn of such a group is read for tool calls by vLLM's
+parser (tools.py), and the environment's Step sees the assistant message with its `tool_calls`. An environment
+that answers with messages (`observations`: role "tool", tool_call_id) has them appended as the chat template
+writes them after the turn (loss mask 0); the generated tokens of earlier turns are never re-tokenized.
+
+Each episode records the versions that produced its first and last generated token, as the engine reports them
+per token (they differ only when weights were swapped in flight). Each engine call is a `rollout.generate` span
+of the group's trace (time to first token, tokens, version, worker); docs/observability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
 from google.protobuf import struct_pb2
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
-from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.logs import RateLimitedLog
-from services.common.server import RETRIED
+from services.common.messages import message_from_dict, message_to_dict, tools_to_dicts
+from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.rollout.engines import Engine, Generated, Sampling
+from services.rollout.steps import StepBatcher
+from services.rollout.tools import TemplateDrift, load_parser, observation_text, parse_tool_calls, render
 
 tracer = trace.get_tracer("flywheel.rollout")
 log = logging.getLogger("flywheel.rollout")
@@ -36,6 +43,9 @@ PROMPTS_TOO_LONG = Counter("flywheel_rollout_prompts_too_long_total",
 KEPT_PROMPT_TOKENS = 4
 """A prompt kept out of the loss travels with its first few tokens only (NeMo RL's processors keep up to 4 per
 message): the trainer still gets the group, and never a row of an unbounded prompt."""
+TOOL_CALLS = Counter("flywheel_rollout_tool_calls_total", "Tool calls read from generated turns (tool_parser)")
+TEMPLATE_DRIFT = Counter("flywheel_rollout_template_drift_total",
+                         "Episodes ended because the chat template rewrote earlier turns once tool results followed")
 TTFT_SECONDS = Histogram("flywheel_rollout_ttft_seconds", "Time to first token of one engine call (a turn's batch)",
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -65,8 +75,8 @@ class EpisodeState:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
 
-def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def prompt_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = render(tokenizer, messages, tools, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -74,8 +84,13 @@ class EpisodeRunner:
     """Runs one PromptGroup to a TrajectoryGroup with an engine and an environment stub."""
 
     def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
-                 default_sampling, max_seq_len: int, step_timeout_s: float, max_prompt_len: int | None = None) -> None:
+                 default_sampling, max_seq_len: int, step_timeout_s: float, max_prompt_len: int | None = None,
+                 tool_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser
+        """policy.generation.tool_parser: vLLM's parser that reads the calls of a group that offers tools."""
+        if tool_parser is not None:
+            load_parser(tool_parser, engine.tokenizer)
         self.steps = StepBatcher(env, step_timeout_s)
         self.default_sampling = default_sampling
         self.max_seq_len = max_seq_len
@@ -88,10 +103,11 @@ class EpisodeRunner:
         generated, before that turn's Step (or after the Step that ended every episode early). The worker
         gives the group's engine slot to the next group there, so scoring and publishing overlap generation."""
         tok = self.engine.tokenizer
-        prompt = [{"role": m.role, "content": m.content} for m in group.messages]
+        prompt = [message_to_dict(m) for m in group.messages]
+        tools = tools_to_dicts(group.tools) or None
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats, work queue
         # and rpcs must not wait for it.
-        prompt_ids = await asyncio.to_thread(prompt_token_ids, tok, prompt)
+        prompt_ids = await asyncio.to_thread(prompt_token_ids, tok, prompt, tools)
         sampling = Sampling.resolve(self.default_sampling, group.sampling)
         episodes = [EpisodeState(messages=list(prompt), metadata=group.metadata,
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
@@ -112,13 +128,13 @@ class EpisodeRunner:
             if not active:
                 break
             t0 = time.perf_counter()
-            await self._generate(active, prompt_ids, sampling, worker_id)
+            await self._generate(active, prompt_ids, sampling, worker_id, tools)
             gen_s += time.perf_counter() - t0
             if turn == turns - 1 and generated is not None:  # every episode ends at this Step
                 await generated()
                 generated = None
             t1 = time.perf_counter()
-            await self._step_environment(group, active, len(prompt_ids))
+            await self._step_environment(group, active, len(prompt_ids), tools)
             env_s += time.perf_counter() - t1
         if generated is not None:
             await generated()
@@ -138,7 +154,7 @@ class EpisodeRunner:
             finished_at_unix_ns=time.time_ns())
 
     async def _generate(self, active: list[EpisodeState], prompt_ids: list[int], sampling: Sampling,
-                        worker_id: str) -> None:
+                        worker_id: str, tools: list[dict] | None) -> None:
         inputs = [prompt_ids + e.token_ids for e in active]
         by_stops: dict[tuple[str, ...], list[int]] = {}
         for i, e in enumerate(active):  # episodes may ask for different stop strings
@@ -160,16 +176,26 @@ class EpisodeRunner:
                     e.version_start = start
                 e.version_end = max(e.version_end, end)
                 e.append(out.token_ids, out.logprobs)
-                e.messages.append({"role": "assistant", "content": out.text})
+                e.messages.append(self._assistant(out.text, tools))
                 e.text += out.text
                 e.truncated |= out.truncated
                 e.turns += 1
 
-    async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int) -> None:
+    def _assistant(self, text: str, tools: list[dict] | None) -> dict:
+        """The assistant message of a generated turn: with the calls the tool parser reads, when tools are offered."""
+        if self.tool_parser is None or not tools:
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(text, parser=self.tool_parser, tokenizer=self.engine.tokenizer, tools=tools)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        TOOL_CALLS.inc(len(calls))
+        return {"role": "assistant", "content": content or "", "tool_calls": calls}
+
+    async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int,
+                                tools: list[dict] | None) -> None:
         results = await self.steps.step(group.env_name, [
-            environment_pb2.Episode(messages=[types_pb2.ChatMessage(**m) for m in e.messages],
+            environment_pb2.Episode(messages=[message_from_dict(m) for m in e.messages],
                                     metadata=e.metadata) for e in active])
-        tok = self.engine.tokenizer
         for e, r in zip(active, results, strict=True):
             e.reward += r.reward
             for k, v in r.named_rewards.items():
@@ -178,9 +204,9 @@ class EpisodeRunner:
             if r.terminated or e.turns >= max(1, group.max_turns):
                 e.done = True
                 continue
-            obs = r.observation.content
-            e.messages.append({"role": r.observation.role or "environment", "content": obs})
-            obs_ids = tok(obs, add_special_tokens=False).input_ids
+            obs_ids = self._observation(e, r, tools)
+            if obs_ids is None:
+                continue
             room = self.max_seq_len - prompt_len - len(e.token_ids)
             if len(obs_ids) >= room:  # no room for another turn: the episode ends truncated
                 e.truncated, e.done = True, True
@@ -191,124 +217,25 @@ class EpisodeRunner:
             if r.HasField("metadata"):
                 e.metadata = r.metadata
 
-
-MERGED_REQUEST_BYTES = 8 << 20
-"""A merged StepRequest stays under it (a group's own call may be larger): merging saves a round trip per
-call, which counts for small calls, and large ones stay far below the servers' `security.max_message_mb`."""
-
-
-class StepBatcher:
-    """One Step rpc for the groups that score together.
-
-    The groups of one engine batch come out of the engine at once and each then scores its episodes. The calls
-    made in the same turn of the event loop for the same environment go as one StepRequest (up to
-    `max_request_bytes`), and each caller gets its own episodes' results: one round trip and one dispatch in the
-    environment service instead of one per group (on loopback, 4 calls of 16 toy episodes at once took 1.7 ms,
-    one call of 64 took 1.0 ms). Nothing waits to fill a batch: a call alone goes alone. When a merged call is
-    refused for its content (a code that no retry helps), each caller's episodes are sent again on their own,
-    so one group's bad episode fails only that group.
-
-    Each call is a `rollout.step` span of its group's trace. A merged rpc goes from its first caller's span, so
-    the environment's own span is in that group's trace; the `rollout.step` spans of one rpc link to each other.
-    """
-
-    def __init__(self, env: environment_pb2_grpc.EnvironmentServiceStub, timeout_s: float, *,
-                 max_request_bytes: int = MERGED_REQUEST_BYTES) -> None:
-        self.env = env
-        self.timeout_s = timeout_s
-        self.max_request_bytes = max_request_bytes
-        self._calls: dict[str, list[_Call]] = {}
-        self._sending: set[asyncio.Task] = set()
-
-    async def step(self, env_name: str, episodes: list[environment_pb2.Episode]) -> list[environment_pb2.EpisodeResult]:
-        with tracer.start_as_current_span("rollout.step", attributes={
-                "flywheel.env": env_name, "flywheel.episodes": len(episodes)}) as span:
-            call = _Call(episodes, sum(e.ByteSize() for e in episodes), asyncio.get_running_loop().create_future(),
-                         span, contextvars.copy_context())
-            calls = self._calls.get(env_name)
-            if calls is None:  # the first call of this turn: the send runs once the turn's other calls have joined
-                calls = self._calls[env_name] = []
-                asyncio.get_running_loop().call_soon(self._send_soon, env_name)
-            calls.append(call)
-            return await call.future
-
-    def _send_soon(self, env_name: str) -> None:
-        for calls in _fill(self._calls.pop(env_name), self.max_request_bytes):
-            task = asyncio.create_task(self._send(env_name, calls), context=calls[0].context)  # its span's child
-            self._sending.add(task)  # held until done: the loop keeps only a weak reference to a task
-            task.add_done_callback(self._sending.discard)
-
-    async def _send(self, env_name: str, calls: list[_Call]) -> None:
-        first = calls[0]
-        first.span.set_attribute("flywheel.groups", len(calls))
-        for call in calls[1:]:
-            first.span.add_link(call.span.get_span_context())
-            call.span.add_link(first.span.get_span_context())
-        if len(calls) == 1:
-            await self._send_alone(env_name, first)
-            return
+    def _observation(self, e: EpisodeState, r: environment_pb2.EpisodeResult, tools: list[dict] | None
+                     ) -> list[int] | None:
+        """The observation's tokens, its messages appended to the episode's conversation. Messages (tool results)
+        are tokenized as the chat template writes them after the conversation so far; a plain observation raw.
+        None (the episode ends truncated) when the template rewrites earlier turns."""
+        tok = self.engine.tokenizer
+        if not r.observations:
+            e.messages.append({"role": r.observation.role or "environment", "content": r.observation.content})
+            return tok(r.observation.content, add_special_tokens=False).input_ids
+        observations = [message_to_dict(m) for m in r.observations]
         try:
-            results = await self._call(env_name, [e for call in calls for e in call.episodes])
-        except grpc.aio.AioRpcError as err:
-            if err.code() in RETRIED:
-                _fail(calls, err)
-            else:  # refused for its content, perhaps one group's: each group on its own finds out which
-                await asyncio.gather(*(self._send_alone(env_name, call) for call in calls))
-            return
-        except Exception as err:  # noqa: BLE001 - every caller of the merged call gets it
-            _fail(calls, err)
-            return
-        start = 0
-        for call in calls:
-            if not call.future.done():  # a caller that stopped waiting (cancelled) loses nothing by this
-                call.future.set_result(results[start:start + len(call.episodes)])
-            start += len(call.episodes)
-
-    async def _send_alone(self, env_name: str, call: _Call) -> None:
-        try:
-            results = await self._call(env_name, call.episodes)
-        except Exception as err:  # noqa: BLE001 - the caller gets it
-            _fail([call], err)
-            return
-        if not call.future.done():
-            call.future.set_result(results)
-
-    async def _call(self, env_name: str, episodes: list[environment_pb2.Episode]) -> list[environment_pb2.EpisodeResult]:
-        request = environment_pb2.StepRequest(env_name=env_name, episodes=episodes)
-        response = await self.env.Step(request, timeout=self.timeout_s, wait_for_ready=True)
-        if len(response.results) != len(episodes):
-            raise ValueError(f"environment {env_name!r} returned {len(response.results)} results for "
-                             f"{len(episodes)} episodes")
-        return list(response.results)
-
-
-@dataclass(slots=True)
-class _Call:
-    episodes: list[environment_pb2.Episode]
-    nbytes: int
-    future: asyncio.Future
-    span: trace.Span
-    context: contextvars.Context
-    """The caller's, inside its span: the rpc that this call starts is sent in it."""
-
-
-def _fill(calls: list[_Call], max_bytes: int) -> list[list[_Call]]:
-    """The calls in order, cut into requests of at most `max_bytes` (a call larger than that alone)."""
-    requests: list[list[_Call]] = []
-    size = 0
-    for call in calls:
-        if not requests or size + call.nbytes > max_bytes:
-            requests.append([])
-            size = 0
-        requests[-1].append(call)
-        size += call.nbytes
-    return requests
-
-
-def _fail(calls: list[_Call], err: BaseException) -> None:
-    for call in calls:
-        if not call.future.done():
-            call.future.set_exception(err)
+            text = observation_text(tok, e.messages, observations, tools)
+        except TemplateDrift as err:
+            TEMPLATE_DRIFT.inc()
+            _warn.warning("drift", "episode ended: %s", err)
+            e.truncated = e.done = True
+            return None
+        e.messages += observations
+        return tok(text, add_special_tokens=False).input_ids
 
 
 def _record_generation(span: trace.Span, outs: list[Generated], version_end: int) -> None:

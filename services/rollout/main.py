@@ -44,6 +44,7 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.errors import InvalidArgument, Unavailable, require
 from services.common.logs import RateLimitedLog
+from services.common.messages import message_to_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import (environment_pb2_grpc, rollout_pb2, rollout_pb2_grpc, types_pb2)
 from services.common.server import channel, run_service
 from services.common.telemetry import current_traceparent, extract_context, setup_telemetry
@@ -85,7 +86,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if request.env_name:
             group = types_pb2.PromptGroup(
                 group_id="generate", prompt_id="generate", env_name=request.env_name, messages=request.messages,
-                metadata=request.metadata, num_generations=request.n, max_turns=request.max_turns,
+                tools=request.tools, metadata=request.metadata, num_generations=request.n, max_turns=request.max_turns,
                 sampling=request.sampling)
             try:
                 episodes = await w.runner.run(group, w.worker_id)
@@ -97,8 +98,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return rollout_pb2.GenerateResponse(completions=episodes.completions)
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats,
         # work queue and health checks must not wait for it.
-        ids = await asyncio.to_thread(prompt_token_ids, w.engine.tokenizer,
-                                      [{"role": m.role, "content": m.content} for m in request.messages])
+        ids = await asyncio.to_thread(prompt_token_ids, w.engine.tokenizer, [message_to_dict(m) for m in request.messages],
+                                      tools_to_dicts(request.tools) or None)
         sampling = Sampling.resolve(w.cfg.policy.generation, request.sampling)
         outs = await w.engine.generate([ids] * request.n, sampling)
         return rollout_pb2.GenerateResponse(completions=[types_pb2.Completion(
@@ -186,7 +187,8 @@ class RolloutWorker:
         self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
                                     max_seq_len=cfg.policy.max_total_sequence_length,
                                     max_prompt_len=cfg.data.max_input_seq_length,
-                                    step_timeout_s=cfg.rollout.step_timeout_s)
+                                    step_timeout_s=cfg.rollout.step_timeout_s,
+                                    tool_parser=cfg.policy.generation.tool_parser)
         self._announcements: asyncio.Queue = asyncio.Queue()
         self.endpoint = None
         """The worker's EndpointServer when policy.generation.endpoint.enabled (agents call it)."""
@@ -371,6 +373,7 @@ def hand_back_delay(deliveries: int) -> float:
 
 
 async def serve(cfg: FlywheelConfig) -> None:
+    cfg.policy.generation.check_tool_parser()
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

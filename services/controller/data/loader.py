@@ -9,6 +9,7 @@ from google.protobuf import json_format
 
 from services.common.config import FlywheelConfig
 from services.common.config_data import NAMED_DATASETS, DatasetConfig
+from services.common.messages import dataset_row
 from services.common.pb.flywheel.v1 import types_pb2
 from services.controller.data.plan import holdout, planned_steps
 from services.controller.data.rows import RowError, Templates, check_prompt_template, to_row
@@ -138,7 +139,7 @@ def _convert(key: str, path: str, templates: Templates, input_key: str | None, o
         for where, record in records(path, subset=subset, split=split):
             try:
                 row = to_row(record, input_key, output_key, templates, answer_after=answer_after)
-                out.append(json_format.ParseDict(row, types_pb2.DatasetRow()))
+                out.append(dataset_row(row))
             except (RowError, json_format.ParseError) as err:
                 raise DataError(f"{key}: {where}: {err}") from None
     except SourceError as err:

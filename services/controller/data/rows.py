@@ -7,12 +7,16 @@ Formats (detected per record unless input_key is set):
 A named dataset (config_data.NAMED_DATASETS) sets its own keys, dotted for nested fields.
 The prompt is [system (system_prompt_file)] + user (prompt_file.format(problem), or the problem),
 and metadata carries {"ground_truth": answer}, which the math environment verifies against. Rows in
-the messages format may carry their own "metadata" (an environment's state) and several prompt messages.
+the messages format may carry their own "metadata" (an environment's state), several prompt messages, and
+OpenAI's tool columns: "tools" (the definitions offered), assistant "tool_calls" and "tool" results with
+"tool_call_id", as NeMo RL's OpenAI-format rows have them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from services.common.messages import arguments_text
 
 FORMATS = (("problem", "expected_answer"), ("input", "output"))
 
@@ -35,8 +39,10 @@ def to_row(record: object, input_key: str | None, output_key: str | None, templa
     the ground truth is the text after this marker in the output field (GSM8K's "#### 42")."""
     if not isinstance(record, dict):
         raise RowError(f"a row must be a JSON object, got {type(record).__name__}")
+    tools: list = []
     if input_key is None and "messages" in record:
         messages, metadata = _from_messages(record)
+        tools = _tools(record)
     else:
         problem, answer = _from_columns(record, input_key, output_key)
         if answer_after is not None:
@@ -44,7 +50,8 @@ def to_row(record: object, input_key: str | None, output_key: str | None, templa
                 raise RowError(f"the answer holds no {answer_after!r} before its final value")
             answer = answer.split(answer_after)[1].strip()
         messages, metadata = [{"role": "user", "content": problem}], {"ground_truth": answer}
-    return {"messages": apply_templates(messages, templates), "metadata": metadata}
+    row = {"messages": apply_templates(messages, templates), "metadata": metadata}
+    return {**row, "tools": tools} if tools else row
 
 
 def _from_columns(record: dict, input_key: str | None, output_key: str | None) -> tuple[str, str]:
@@ -83,20 +90,47 @@ def _field(record: dict, key: str) -> object:
 def _from_messages(record: dict) -> tuple[list[dict], dict]:
     """NeMo RL's message format: a trailing assistant message is the ground truth, the rest the prompt."""
     messages = record["messages"]
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise RowError("messages must be a list of {role, content} objects with text content")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and _is_message(m) for m in messages):
+        raise RowError("messages must be a list of {role, content} objects with text content (null content only "
+                       "beside tool_calls)")
     metadata = record.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise RowError("metadata must be an object")
     metadata = dict(metadata)
-    prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if prompt and prompt[-1]["role"] == "assistant":
+    prompt = [{k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None} for m in messages]
+    for m in prompt:
+        if "tool_calls" in m:
+            m["tool_calls"] = [_call(c) for c in m["tool_calls"]]
+    if prompt and prompt[-1]["role"] == "assistant" and not prompt[-1].get("tool_calls"):
         metadata.setdefault("ground_truth", prompt.pop()["content"])
     if not prompt:
         raise RowError("messages hold no prompt (only the assistant's answer)")
     return prompt, metadata
+
+
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+"""What a prompt message keeps (OpenAI's fields that the chat template reads); other keys are dropped."""
+
+
+def _is_message(m: dict) -> bool:
+    content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and bool(m.get("tool_calls")))
+    return isinstance(m.get("role"), str) and content_ok and isinstance(m.get("tool_calls") or [], list)
+
+
+def _call(call: object) -> dict:
+    """One OpenAI tool call, its arguments as JSON text (some datasets write the object itself)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RowError("a tool call must be {id, type, function: {name, arguments}}")
+    return {**call, "function": {**function, "arguments": arguments_text(function.get("arguments"))}}
+
+
+def _tools(record: dict) -> list:
+    """OpenAI's tool definitions of the row; checked field by field when the row becomes a DatasetRow."""
+    tools = record.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RowError("tools must be a list of OpenAI tool definitions ({type, function: {name, parameters}})")
+    return tools
 
 
 def apply_templates(messages: list[dict], templates: Templates) -> list[dict]:

@@ -1,1 +1,1 @@
-"""Built-in environments: math, code (sandboxed), sliding_puzzle, exact_match, toy_copy."""
+"""Built-in environments: math, code (sandboxed), sliding_puzzle, exact_match, toy_copy, tool_add (a tool call)."""

@@ -13,7 +13,7 @@ from environment_service import serve_environment
 
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import to_struct
-from services.rollout.episodes import StepBatcher
+from services.rollout.steps import StepBatcher
 
 
 class CountSteps(grpc.aio.ServerInterceptor):

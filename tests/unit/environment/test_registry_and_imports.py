@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_builtin_kind_is_registered_under_its_name():
-    assert set(BUILTIN) == {"math", "math_multi_reward", "code", "sliding_puzzle", "exact_match", "toy_copy"}
+    assert set(BUILTIN) == {"math", "math_multi_reward", "code", "sliding_puzzle", "exact_match", "toy_copy",
+                            "tool_add"}
     for kind in BUILTIN:
         env = make_environment(kind)
         assert isinstance(env, Environment) and env.kind == kind

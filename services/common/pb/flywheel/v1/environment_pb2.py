@@ -26,7 +26,7 @@ from services.common.pb.flywheel.v1 import types_pb2 as flywheel_dot_v1_dot_type
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lywheel/v1/environment.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"O\n\x0ePromptsRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"8\n\x0fPromptsResponse\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.DatasetRow\"`\n\x07\x45pisode\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"h\n\x0bStepRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12&\n\x08\x65pisodes\x18\x02 \x03(\x0b\x32\x14.flywheel.v1.Episode\x12\x1f\n\x17return_extracted_answer\x18\x03 \x01(\x08\"\xc1\x02\n\rEpisodeResult\x12-\n\x0bobservation\x18\x01 \x01(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x43\n\rnamed_rewards\x18\x03 \x03(\x0b\x32,.flywheel.v1.EpisodeResult.NamedRewardsEntry\x12\x12\n\nterminated\x18\x04 \x01(\x08\x12\x19\n\x11next_stop_strings\x18\x05 \x03(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x0cStepResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.flywheel.v1.EpisodeResult\"W\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x12\n\x10RegisterResponse\"!\n\x11UnregisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnregisterResponse\"\r\n\x0bListRequest\"\x97\x01\n\x0cListResponse\x12\x15\n\rbuiltin_kinds\x18\x01 \x03(\t\x12=\n\nregistered\x18\x02 \x03(\x0b\x32).flywheel.v1.ListResponse.RegisteredEntry\x1a\x31\n\x0fRegisteredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xec\x02\n\x12\x45nvironmentService\x12;\n\x04Step\x12\x18.flywheel.v1.StepRequest\x1a\x19.flywheel.v1.StepResponse\x12G\n\x08Register\x12\x1c.flywheel.v1.RegisterRequest\x1a\x1d.flywheel.v1.RegisterResponse\x12M\n\nUnregister\x12\x1e.flywheel.v1.UnregisterRequest\x1a\x1f.flywheel.v1.UnregisterResponse\x12;\n\x04List\x12\x18.flywheel.v1.ListRequest\x1a\x19.flywheel.v1.ListResponse\x12\x44\n\x07Prompts\x12\x1b.flywheel.v1.PromptsRequest\x1a\x1c.flywheel.v1.PromptsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lywheel/v1/environment.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"O\n\x0ePromptsRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"8\n\x0fPromptsResponse\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.DatasetRow\"`\n\x07\x45pisode\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"h\n\x0bStepRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12&\n\x08\x65pisodes\x18\x02 \x03(\x0b\x32\x14.flywheel.v1.Episode\x12\x1f\n\x17return_extracted_answer\x18\x03 \x01(\x08\"\xf1\x02\n\rEpisodeResult\x12-\n\x0bobservation\x18\x01 \x01(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x43\n\rnamed_rewards\x18\x03 \x03(\x0b\x32,.flywheel.v1.EpisodeResult.NamedRewardsEntry\x12\x12\n\nterminated\x18\x04 \x01(\x08\x12\x19\n\x11next_stop_strings\x18\x05 \x03(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12.\n\x0cobservations\x18\t \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x0cStepResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.flywheel.v1.EpisodeResult\"W\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x12\n\x10RegisterResponse\"!\n\x11UnregisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnregisterResponse\"\r\n\x0bListRequest\"\x97\x01\n\x0cListResponse\x12\x15\n\rbuiltin_kinds\x18\x01 \x03(\t\x12=\n\nregistered\x18\x02 \x03(\x0b\x32).flywheel.v1.ListResponse.RegisteredEntry\x1a\x31\n\x0fRegisteredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xec\x02\n\x12\x45nvironmentService\x12;\n\x04Step\x12\x18.flywheel.v1.StepRequest\x1a\x19.flywheel.v1.StepResponse\x12G\n\x08Register\x12\x1c.flywheel.v1.RegisterRequest\x1a\x1d.flywheel.v1.RegisterResponse\x12M\n\nUnregister\x12\x1e.flywheel.v1.UnregisterRequest\x1a\x1f.flywheel.v1.UnregisterResponse\x12;\n\x04List\x12\x18.flywheel.v1.ListRequest\x1a\x19.flywheel.v1.ListResponse\x12\x44\n\x07Prompts\x12\x1b.flywheel.v1.PromptsRequest\x1a\x1c.flywheel.v1.PromptsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST']._serialized_start=338
   _globals['_STEPREQUEST']._serialized_end=442
   _globals['_EPISODERESULT']._serialized_start=445
-  _globals['_EPISODERESULT']._serialized_end=766
-  _globals['_EPISODERESULT_NAMEDREWARDSENTRY']._serialized_start=715
-  _globals['_EPISODERESULT_NAMEDREWARDSENTRY']._serialized_end=766
-  _globals['_STEPRESPONSE']._serialized_start=768
-  _globals['_STEPRESPONSE']._serialized_end=827
-  _globals['_REGISTERREQUEST']._serialized_start=829
-  _globals['_REGISTERREQUEST']._serialized_end=916
-  _globals['_REGISTERRESPONSE']._serialized_start=918
-  _globals['_REGISTERRESPONSE']._serialized_end=936
-  _globals['_UNREGISTERREQUEST']._serialized_start=938
-  _globals['_UNREGISTERREQUEST']._serialized_end=971
-  _globals['_UNREGISTERRESPONSE']._serialized_start=973
-  _globals['_UNREGISTERRESPONSE']._serialized_end=993
-  _globals['_LISTREQUEST']._serialized_start=995
-  _globals['_LISTREQUEST']._serialized_end=1008
-  _globals['_LISTRESPONSE']._serialized_start=1011
-  _globals['_LISTRESPONSE']._serialized_end=1162
-  _globals['_LISTRESPONSE_REGISTEREDENTRY']._serialized_start=1113
-  _globals['_LISTRESPONSE_REGISTEREDENTRY']._serialized_end=1162
-  _globals['_ENVIRONMENTSERVICE']._serialized_start=1165
-  _globals['_ENVIRONMENTSERVICE']._serialized_end=1529
+  _globals['_EPISODERESULT']._serialized_end=814
+  _globals['_EPISODERESULT_NAMEDREWARDSENTRY']._serialized_start=763
+  _globals['_EPISODERESULT_NAMEDREWARDSENTRY']._serialized_end=814
+  _globals['_STEPRESPONSE']._serialized_start=816
+  _globals['_STEPRESPONSE']._serialized_end=875
+  _globals['_REGISTERREQUEST']._serialized_start=877
+  _globals['_REGISTERREQUEST']._serialized_end=964
+  _globals['_REGISTERRESPONSE']._serialized_start=966
+  _globals['_REGISTERRESPONSE']._serialized_end=984
+  _globals['_UNREGISTERREQUEST']._serialized_start=986
+  _globals['_UNREGISTERREQUEST']._serialized_end=1019
+  _globals['_UNREGISTERRESPONSE']._serialized_start=1021
+  _globals['_UNREGISTERRESPONSE']._serialized_end=1041
+  _globals['_LISTREQUEST']._serialized_start=1043
+  _globals['_LISTREQUEST']._serialized_end=1056
+  _globals['_LISTRESPONSE']._serialized_start=1059
+  _globals['_LISTRESPONSE']._serialized_end=1210
+  _globals['_LISTRESPONSE_REGISTEREDENTRY']._serialized_start=1161
+  _globals['_LISTRESPONSE_REGISTEREDENTRY']._serialized_end=1210
+  _globals['_ENVIRONMENTSERVICE']._serialized_start=1213
+  _globals['_ENVIRONMENTSERVICE']._serialized_end=1577
 # @@protoc_insertion_point(module_scope)

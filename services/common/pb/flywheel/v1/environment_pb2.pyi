@@ -45,7 +45,7 @@ class StepRequest(_message.Message):
     def __init__(self, env_name: _Optional[str] = ..., episodes: _Optional[_Iterable[_Union[Episode, _Mapping]]] = ..., return_extracted_answer: _Optional[bool] = ...) -> None: ...
 
 class EpisodeResult(_message.Message):
-    __slots__ = ("observation", "reward", "named_rewards", "terminated", "next_stop_strings", "metadata", "answer", "error")
+    __slots__ = ("observation", "reward", "named_rewards", "terminated", "next_stop_strings", "metadata", "answer", "error", "observations")
     class NamedRewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class EpisodeResult(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     observation: _types_pb2.ChatMessage
     reward: float
     named_rewards: _containers.ScalarMap[str, float]
@@ -69,7 +70,8 @@ class EpisodeResult(_message.Message):
     metadata: _struct_pb2.Struct
     answer: str
     error: str
-    def __init__(self, observation: _Optional[_Union[_types_pb2.ChatMessage, _Mapping]] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., terminated: _Optional[bool] = ..., next_stop_strings: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., answer: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    observations: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    def __init__(self, observation: _Optional[_Union[_types_pb2.ChatMessage, _Mapping]] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., terminated: _Optional[bool] = ..., next_stop_strings: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., answer: _Optional[str] = ..., error: _Optional[str] = ..., observations: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results",)

@@ -26,7 +26,7 @@ from services.common.pb.flywheel.v1 import types_pb2 as flywheel_dot_v1_dot_type
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/rollout.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xc7\x01\n\x0fGenerateRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\t\n\x01n\x18\x02 \x01(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x10\n\x08\x65nv_name\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.Completion2Y\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.flywheel.v1.GenerateRequest\x1a\x1d.flywheel.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/rollout.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xf3\x01\n\x0fGenerateRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\t\n\x01n\x18\x02 \x01(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x10\n\x08\x65nv_name\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12*\n\x05tools\x18\x07 \x03(\x0b\x32\x1b.flywheel.v1.ToolDefinition\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.Completion2Y\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.flywheel.v1.GenerateRequest\x1a\x1d.flywheel.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flywheel.v1.rollout_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=98
-  _globals['_GENERATEREQUEST']._serialized_end=297
-  _globals['_GENERATERESPONSE']._serialized_start=299
-  _globals['_GENERATERESPONSE']._serialized_end=363
-  _globals['_ROLLOUTSERVICE']._serialized_start=365
-  _globals['_ROLLOUTSERVICE']._serialized_end=454
+  _globals['_GENERATEREQUEST']._serialized_end=341
+  _globals['_GENERATERESPONSE']._serialized_start=343
+  _globals['_GENERATERESPONSE']._serialized_end=407
+  _globals['_ROLLOUTSERVICE']._serialized_start=409
+  _globals['_ROLLOUTSERVICE']._serialized_end=498
 # @@protoc_insertion_point(module_scope)

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("messages", "n", "sampling", "env_name", "metadata", "max_turns")
+    __slots__ = ("messages", "n", "sampling", "env_name", "metadata", "max_turns", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     n: int
     sampling: _types_pb2.SamplingParams
     env_name: str
     metadata: _struct_pb2.Struct
     max_turns: int
-    def __init__(self, messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., env_name: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., max_turns: _Optional[int] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_types_pb2.ToolDefinition]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., env_name: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[_types_pb2.ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions",)

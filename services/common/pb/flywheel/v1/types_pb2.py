@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lywheel/v1/types.proto\x12\x0b\x66lywheel.v1\x1a\x1cgoogle/protobuf/struct.proto\"c\n\nDatasetRow\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"q\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\"\xbc\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fnum_generations\x18\x06 \x01(\x05\x12\x13\n\x0btarget_step\x18\x07 \x01(\x03\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x19\n\x11leased_at_unix_ns\x18\n \x01(\x03\x12\x14\n\x0creward_scale\x18\x0b \x01(\x02\"\xc7\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_mask\x18\x02 \x03(\x08\x12\x1b\n\x13generation_logprobs\x18\x03 \x03(\x02\x12\x15\n\rversion_start\x18\x04 \x01(\x03\x12\x13\n\x0bversion_end\x18\x05 \x01(\x03\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12@\n\rnamed_rewards\x18\x07 \x03(\x0b\x32).flywheel.v1.Completion.NamedRewardsEntry\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x11\n\ttruncated\x18\t \x01(\x08\x12\r\n\x05turns\x18\n \x01(\x05\x12\x0e\n\x06\x61nswer\x18\x0b \x01(\t\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd5\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x13\n\x0btarget_step\x18\x04 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x06 \x03(\x0b\x32\x17.flywheel.v1.Completion\x12\x15\n\rversion_start\x18\x07 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x08 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x19\n\x11leased_at_unix_ns\x18\x0b \x01(\x03\x12\x1b\n\x13\x66inished_at_unix_ns\x18\x0c \x01(\x03\x12\x13\n\x0btraceparent\x18\r \x01(\t\"\x94\x01\n\x12WeightAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07members\x18\x06 \x03(\t\x12\x0c\n\x04path\x18\x07 \x01(\t\"D\n\x0cWeightLoaded\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"^\n\x10RolloutHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\"\xc2\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x35\n\x07metrics\x18\x02 \x03(\x0b\x32$.flywheel.v1.StepReport.MetricsEntry\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x1c\n\x0f\x63heckpoint_step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x12\n\x10_checkpoint_step\" \n\x0bStaleGroups\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\"|\n\rPoisonedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x12\n\ndeliveries\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lywheel/v1/types.proto\x12\x0b\x66lywheel.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x8f\x01\n\nDatasetRow\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12*\n\x05tools\x18\x03 \x03(\x0b\x32\x1b.flywheel.v1.ToolDefinition\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.flywheel.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"Q\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12+\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x19.flywheel.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"Q\n\x0eToolDefinition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x31\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1f.flywheel.v1.FunctionDefinition\"`\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"q\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\"\xe8\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fnum_generations\x18\x06 \x01(\x05\x12\x13\n\x0btarget_step\x18\x07 \x01(\x03\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12-\n\x08sampling\x18\t \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x19\n\x11leased_at_unix_ns\x18\n \x01(\x03\x12\x14\n\x0creward_scale\x18\x0b \x01(\x02\x12*\n\x05tools\x18\x0c \x03(\x0b\x32\x1b.flywheel.v1.ToolDefinition\"\xc7\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_mask\x18\x02 \x03(\x08\x12\x1b\n\x13generation_logprobs\x18\x03 \x03(\x02\x12\x15\n\rversion_start\x18\x04 \x01(\x03\x12\x13\n\x0bversion_end\x18\x05 \x01(\x03\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12@\n\rnamed_rewards\x18\x07 \x03(\x0b\x32).flywheel.v1.Completion.NamedRewardsEntry\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x11\n\ttruncated\x18\t \x01(\x08\x12\r\n\x05turns\x18\n \x01(\x05\x12\x0e\n\x06\x61nswer\x18\x0b \x01(\t\x1a\x33\n\x11NamedRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd5\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x13\n\x0btarget_step\x18\x04 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12,\n\x0b\x63ompletions\x18\x06 \x03(\x0b\x32\x17.flywheel.v1.Completion\x12\x15\n\rversion_start\x18\x07 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x08 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x19\n\x11leased_at_unix_ns\x18\x0b \x01(\x03\x12\x1b\n\x13\x66inished_at_unix_ns\x18\x0c \x01(\x03\x12\x13\n\x0btraceparent\x18\r \x01(\t\"\x94\x01\n\x12WeightAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07members\x18\x06 \x03(\t\x12\x0c\n\x04path\x18\x07 \x01(\t\"D\n\x0cWeightLoaded\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"^\n\x10RolloutHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\"\xc2\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x35\n\x07metrics\x18\x02 \x03(\x0b\x32$.flywheel.v1.StepReport.MetricsEntry\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x1c\n\x0f\x63heckpoint_step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x12\n\x10_checkpoint_step\" \n\x0bStaleGroups\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\"|\n\rPoisonedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x03 \x01(\t\x12\x12\n\ndeliveries\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,32 +36,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_options = b'8\001'
   _globals['_STEPREPORT_METRICSENTRY']._loaded_options = None
   _globals['_STEPREPORT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DATASETROW']._serialized_start=70
-  _globals['_DATASETROW']._serialized_end=169
-  _globals['_CHATMESSAGE']._serialized_start=171
-  _globals['_CHATMESSAGE']._serialized_end=215
-  _globals['_SAMPLINGPARAMS']._serialized_start=217
-  _globals['_SAMPLINGPARAMS']._serialized_end=330
-  _globals['_PROMPTGROUP']._serialized_start=333
-  _globals['_PROMPTGROUP']._serialized_end=649
-  _globals['_COMPLETION']._serialized_start=652
-  _globals['_COMPLETION']._serialized_end=979
-  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_start=928
-  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_end=979
-  _globals['_TRAJECTORYGROUP']._serialized_start=982
-  _globals['_TRAJECTORYGROUP']._serialized_end=1323
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1326
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1474
-  _globals['_WEIGHTLOADED']._serialized_start=1476
-  _globals['_WEIGHTLOADED']._serialized_end=1544
-  _globals['_ROLLOUTHEARTBEAT']._serialized_start=1546
-  _globals['_ROLLOUTHEARTBEAT']._serialized_end=1640
-  _globals['_STEPREPORT']._serialized_start=1643
-  _globals['_STEPREPORT']._serialized_end=1837
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=1771
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=1817
-  _globals['_STALEGROUPS']._serialized_start=1839
-  _globals['_STALEGROUPS']._serialized_end=1871
-  _globals['_POISONEDGROUP']._serialized_start=1873
-  _globals['_POISONEDGROUP']._serialized_end=1997
+  _globals['_DATASETROW']._serialized_start=71
+  _globals['_DATASETROW']._serialized_end=214
+  _globals['_CHATMESSAGE']._serialized_start=216
+  _globals['_CHATMESSAGE']._serialized_end=339
+  _globals['_TOOLCALL']._serialized_start=341
+  _globals['_TOOLCALL']._serialized_end=422
+  _globals['_FUNCTIONCALL']._serialized_start=424
+  _globals['_FUNCTIONCALL']._serialized_end=471
+  _globals['_TOOLDEFINITION']._serialized_start=473
+  _globals['_TOOLDEFINITION']._serialized_end=554
+  _globals['_FUNCTIONDEFINITION']._serialized_start=556
+  _globals['_FUNCTIONDEFINITION']._serialized_end=652
+  _globals['_SAMPLINGPARAMS']._serialized_start=654
+  _globals['_SAMPLINGPARAMS']._serialized_end=767
+  _globals['_PROMPTGROUP']._serialized_start=770
+  _globals['_PROMPTGROUP']._serialized_end=1130
+  _globals['_COMPLETION']._serialized_start=1133
+  _globals['_COMPLETION']._serialized_end=1460
+  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_start=1409
+  _globals['_COMPLETION_NAMEDREWARDSENTRY']._serialized_end=1460
+  _globals['_TRAJECTORYGROUP']._serialized_start=1463
+  _globals['_TRAJECTORYGROUP']._serialized_end=1804
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1807
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1955
+  _globals['_WEIGHTLOADED']._serialized_start=1957
+  _globals['_WEIGHTLOADED']._serialized_end=2025
+  _globals['_ROLLOUTHEARTBEAT']._serialized_start=2027
+  _globals['_ROLLOUTHEARTBEAT']._serialized_end=2121
+  _globals['_STEPREPORT']._serialized_start=2124
+  _globals['_STEPREPORT']._serialized_end=2318
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=2252
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=2298
+  _globals['_STALEGROUPS']._serialized_start=2320
+  _globals['_STALEGROUPS']._serialized_end=2352
+  _globals['_POISONEDGROUP']._serialized_start=2354
+  _globals['_POISONEDGROUP']._serialized_end=2478
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,69 @@
+"""A briefly supervised start for the tool_add task: the tiny model trained on demonstrations, saved as a model dir.
+
+A random tiny model never writes a 70-character <tool_call> block by chance, so RL alone gets no signal. The
+demonstrations are the episodes the rollout itself would record for a right answer: the prompt as the chat template
+renders it with the tool, the call the template writes (which vLLM's hermes parser reads back) and EOS, the tool's
+result as `observation_text` writes it, and the sum and EOS. Cross-entropy on the assistant tokens only. Each call
+is trained on; each final answer only with probability `answer_fraction`, so the run starts with room to learn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from services.common.config import load_config
+from services.common.modeling import build_tiny_model, build_tiny_tokenizer
+from services.environment.envs.tool_add import ADD_TOOL, OPERANDS
+from services.rollout.episodes import prompt_token_ids
+from services.rollout.tools import observation_text, render
+
+
+def demonstration(tok, a: int, b: int, *, train_answer: bool) -> tuple[list[int], list[bool]]:
+    """(token ids, trained mask) of one right episode."""
+    prompt = [{"role": "user", "content": f"add {a} {b}"}]
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    turn = prompt + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    call_text = render(tok, turn, [ADD_TOOL], add_generation_prompt=False)[len(
+        render(tok, prompt, [ADD_TOOL], add_generation_prompt=True)):].rstrip("\n")
+    result = [{"role": "tool", "content": str(a + b), "tool_call_id": "call_0", "name": "add"}]
+    pieces = [(prompt_token_ids(tok, prompt, [ADD_TOOL]), False),
+              (_ids(tok, call_text) + [tok.eos_token_id], True),
+              (_ids(tok, observation_text(tok, turn, result, [ADD_TOOL])), False),
+              (_ids(tok, str(a + b)) + [tok.eos_token_id], train_answer)]
+    ids = [t for piece, _ in pieces for t in piece]
+    mask = [m for piece, m in pieces for _ in piece]
+    return ids, mask
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tuple[int, int]] | None = None,
+               seed: int = 0, batch: int = 16) -> Path:
+    """Train the tiny model `steps` AdamW steps on demonstrations of `pairs` (default: every pair of operands); save
+    it with its tokenizer to `out`, as a directory policy.model_name can name."""
+    cfg = load_config()
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(cfg.policy, len(tok), seed).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    pairs = pairs or [(a, b) for a in range(OPERANDS) for b in range(OPERANDS)]
+    for _ in range(steps):
+        rows = [demonstration(tok, *rng.choice(pairs), train_answer=rng.random() < answer_fraction)
+                for _ in range(batch)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])
+        mask = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])[:, 1:]
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits[mask], ids[:, 1:][mask])
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
