@@ -17,6 +17,8 @@ instead of producing a group that replay would have to drop. A group whose envir
 down, or a remote environment gave no answer: UNAVAILABLE) is handed back too, after a delay that doubles with
 each delivery (`hand_back_delay`), so no episode trains on a reward nobody gave; one whose environment is gone
 from the mix (NOT_FOUND) is announced stale, and the controller leases a prompt of the mix in its place.
+A group of an agent environment runs on the worker's OpenAI-compatible endpoint instead (agent_groups.py); one
+whose agent failed (deadline, crash, malformed reward) is announced stale too, and its prompt is leased again.
 
 Weights: the engine receives each announced version over the weight channel (for vLLM, inside vLLM's
 worker process) between requests, or in flight with grpo.async_grpo.in_flight_weight_updates (vLLM).
@@ -46,6 +48,7 @@ from services.common.pb.flywheel.v1 import (environment_pb2_grpc, rollout_pb2, r
 from services.common.server import RETRIED, channel, run_service
 from services.common.telemetry import current_traceparent, extract_context, setup_telemetry
 from services.common.work import check_episodes, check_sampling
+from services.rollout.agent_groups import AgentFailed, AgentGroups
 from services.rollout.engines import Engine, Sampling, make_engine
 from services.rollout.episodes import EpisodeRunner, prompt_token_ids
 
@@ -176,8 +179,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.in_flight = 0
         self.tracer = trace.get_tracer("flywheel.rollout")
-        self.env = environment_pb2_grpc.EnvironmentServiceStub(
-            channel(cfg.addresses.environment, security=cfg.security))
+        env_channel = channel(cfg.addresses.environment, security=cfg.security)
+        self.env = environment_pb2_grpc.EnvironmentServiceStub(env_channel)
+        self.agents = AgentGroups(environment_pb2_grpc.AgentServiceStub(env_channel), model=cfg.policy.model_name,
+                                  step_timeout_s=cfg.rollout.step_timeout_s)
         self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
                                     max_seq_len=cfg.policy.max_total_sequence_length,
                                     max_prompt_len=cfg.data.max_input_seq_length,
@@ -287,7 +292,7 @@ class RolloutWorker:
                                                    attributes={"flywheel.group_id": group.group_id,
                                                                "flywheel.target_step": group.target_step,
                                                                "flywheel.worker": self.worker_id}) as span:
-                traj = await self.runner.run(group, self.worker_id, generated=slot.generated)
+                traj = await self._run_group(group, slot)
                 traj.traceparent = current_traceparent()  # the trainer links its step to this trace
                 span.set_attributes({"flywheel.version_start": traj.version_start,
                                      "flywheel.generation_seconds": traj.generation_seconds,
@@ -303,7 +308,10 @@ class RolloutWorker:
             raise
         except Exception as err:
             if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.NOT_FOUND:
-                await self._environment_gone(msg, group, err)
+                await self._environment_gone(msg, group, err.details())
+                return
+            if isinstance(err, AgentFailed):  # the agent's fault, not an outage: its prompt is leased again
+                await self._environment_gone(msg, group, f"an agent episode failed ({err})")
                 return
             if _transient(err):
                 _warn.warning("group failed", "group %s failed; handing it back: %r", group.group_id, err)
@@ -314,12 +322,20 @@ class RolloutWorker:
             keepalive.cancel()
             self.in_flight -= 1
 
-    async def _environment_gone(self, msg, group: types_pb2.PromptGroup, err: grpc.aio.AioRpcError) -> None:
-        """The environment service will not score the group's environment again (removed from the mix, and its
-        grace for groups leased before has passed or its remote does not answer): no delivery can score it.
-        Announced stale, so the controller leases a prompt of the mix in its place; then dropped from the work
-        queue."""
-        _warn.warning("environment gone", "group %s: %s; the controller replaces it", group.group_id, err.details())
+    async def _run_group(self, group: types_pb2.PromptGroup, slot: Slot) -> types_pb2.TrajectoryGroup:
+        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop."""
+        if not await self.agents.is_agent(group.env_name):
+            return await self.runner.run(group, self.worker_id, generated=slot.generated)
+        traj = await self.agents.run(group, self.endpoint, self.version, self.worker_id)
+        await slot.generated()
+        return traj
+
+    async def _environment_gone(self, msg, group: types_pb2.PromptGroup, why: str) -> None:
+        """No delivery can score the group: the environment service will not score its environment again (removed
+        from the mix, and its grace for groups leased before has passed or its remote does not answer), or an
+        agent episode of it failed. Announced stale, so the controller leases its prompt again (a prompt of the mix
+        when its environment left); then dropped from the work queue."""
+        _warn.warning("environment gone", "group %s: %s; the controller replaces it", group.group_id, why)
         await self.bus.publish(self.bus.subjects.stale, types_pb2.StaleGroups(group_ids=[group.group_id]),
                                msg_id=f"gone:{group.group_id}")
         await msg.term()
