@@ -13,9 +13,10 @@ weighs k times in the baseline; with agents that keep to one conversation (the e
 sample per episode) the group is G completions, exactly as the built-in loop's.
 
 Failures: an episode whose agent failed (deadline, crash, malformed reward) or a group with no model call at
-all raises AgentFailed; the worker announces the group stale and the controller leases its prompt again. Every
-episode is closed before the group is built or dropped, so a call an agent makes after its episode is refused
-(410) and nothing it sends reaches another episode.
+all raises AgentFailed; the worker announces the group stale and the controller leases its prompt again. Each
+episode is closed the moment its RunAgent returns (or fails), so a call its agent (or anything the agent left
+running) makes after that is refused (410), and nothing it sends reaches another episode, each of which has its
+own session key and token.
 """
 
 from __future__ import annotations
@@ -72,30 +73,35 @@ class AgentGroups:
             raise AgentFailed("no_endpoint", "this worker serves no endpoint (policy.generation.endpoint.enabled)")
         t0 = time.perf_counter()
         task = task_json(group)
-        opened = [endpoint.open_episode(metadata={"group_id": group.group_id, "episode": i})
-                  for i in range(group.num_generations)]
         try:
-            async with asyncio.TaskGroup() as tasks:  # one call failing cancels the others (their agents stop)
-                calls = [tasks.create_task(self._run_agent(group.env_name, token, url, task))
-                         for _, token, url in opened]
-        except ExceptionGroup as errors:  # the worker tells an rpc's status codes apart: the first as it came
-            raise errors.exceptions[0] from None
-        finally:
-            trajectories = [endpoint.close_episode(key) for key, _, _ in opened]
-        results = [c.result() for c in calls]
-        failed = next((r for r in results if r.error), None)
-        if failed is not None:
-            FAILED_GROUPS.labels(group.env_name, failed.error_reason).inc()
-            raise AgentFailed(failed.error_reason, failed.error)
-        out = build_group(group, trajectories, results, version)
+            async with asyncio.TaskGroup() as tasks:  # one episode failing cancels the others (agents stop)
+                episodes = [tasks.create_task(self._episode(group, endpoint, i, task))
+                            for i in range(group.num_generations)]
+        except ExceptionGroup as errors:  # the worker tells failures apart: the first as it came
+            first = errors.exceptions[0]
+            if isinstance(first, AgentFailed):
+                FAILED_GROUPS.labels(group.env_name, first.reason).inc()
+            raise first from None
+        trajectories, results = zip(*(e.result() for e in episodes))
+        out = build_group(group, list(trajectories), list(results), version)
         SAMPLES.labels(group.env_name).inc(len(out.completions))
         out.worker_id, out.generation_seconds = worker_id, time.perf_counter() - t0
         return out
 
-    async def _run_agent(self, env_name: str, token: str, url: str, task: str) -> environment_pb2.RunAgentResponse:
-        request = environment_pb2.RunAgentRequest(env_name=env_name, base_url=url, api_key=token, model=self.model,
-                                                  task_json=task, deadline_s=self.step_timeout_s * DEADLINE_SHARE)
-        return await self.agents.RunAgent(request, timeout=self.step_timeout_s, wait_for_ready=True)
+    async def _episode(self, group: types_pb2.PromptGroup, endpoint, index: int, task: str
+                       ) -> tuple[Trajectory, environment_pb2.RunAgentResponse]:
+        """One episode: open, run its agent, close as soon as the agent is done (its later calls get 410)."""
+        key, token, url = endpoint.open_episode(metadata={"group_id": group.group_id, "episode": index})
+        try:
+            request = environment_pb2.RunAgentRequest(
+                env_name=group.env_name, base_url=url, api_key=token, model=self.model, task_json=task,
+                deadline_s=self.step_timeout_s * DEADLINE_SHARE)
+            result = await self.agents.RunAgent(request, timeout=self.step_timeout_s, wait_for_ready=True)
+        finally:
+            trajectory = endpoint.close_episode(key)
+        if result.error:  # the group is dropped: its other agents are stopped now rather than waited for
+            raise AgentFailed(result.error_reason, result.error)
+        return trajectory, result
 
 
 def task_json(group: types_pb2.PromptGroup) -> str:

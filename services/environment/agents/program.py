@@ -31,7 +31,10 @@ from services.environment.agents import Agent, AgentEpisode, AgentError, AgentRe
 STDERR_KEPT = 2000
 """Characters of a failed program's stderr kept in the error."""
 MAX_OUTPUT = 1 << 20
-"""Bytes of stdout read at most: the result is one line, and logs belong on stderr."""
+"""Bytes of stdout (and of stderr) kept at most: the result is one line."""
+EXIT_POLL_S = 0.05
+PIPE_GRACE_S = 1.0
+"""Seconds to finish reading a program's output after it exited."""
 
 
 class ProgramAgent(Agent):
@@ -54,11 +57,11 @@ class ProgramAgent(Agent):
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True, limit=MAX_OUTPUT)
+                    stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
             except OSError as err:  # no such program, not executable
                 raise AgentError(f"cannot start {self.command[0]}: {err}", reason="crash") from None
             try:
-                out, err = await proc.communicate(b"" if path else task)
+                out, err = await _talk(proc, b"" if path else task)
             finally:
                 _kill_group(proc)  # cancelled at the deadline, or children left behind
         if proc.returncode != 0:
@@ -87,6 +90,31 @@ def parse_result(stdout: str) -> AgentResult:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+async def _talk(proc: asyncio.subprocess.Process, task: bytes) -> tuple[bytes, bytes]:
+    """Feeds the task, waits for the program to exit and returns what it wrote. Waits for its exit, not for the
+    end of its output: a child it left running in another session may hold the pipes open for ever."""
+    out, err = bytearray(), bytearray()
+    readers = [asyncio.create_task(_read(proc.stdout, out)), asyncio.create_task(_read(proc.stderr, err))]
+    try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a program that reads no task
+            proc.stdin.write(task)
+            await proc.stdin.drain()
+            proc.stdin.close()
+        while proc.returncode is None:  # not proc.wait(): before Python 3.12 it also waits for the pipes to close
+            await asyncio.sleep(EXIT_POLL_S)
+        await asyncio.wait(readers, timeout=PIPE_GRACE_S)
+    finally:
+        for reader in readers:
+            reader.cancel()
+    return bytes(out), bytes(err)
+
+
+async def _read(stream: asyncio.StreamReader, into: bytearray) -> None:
+    while chunk := await stream.read(1 << 16):
+        if len(into) < MAX_OUTPUT:
+            into += chunk[:MAX_OUTPUT - len(into)]
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
