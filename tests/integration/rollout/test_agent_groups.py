@@ -69,20 +69,20 @@ def open_episodes() -> float:
 
 async def test_a_group_is_g_episodes_of_recorded_tokens_each_with_its_agents_reward(world):
     groups, endpoint, engine, stub = world
-    await register(stub, "copy")
-    assert await groups.is_agent("copy") and not await groups.is_agent("toy_copy")
-    traj = await groups.run(prompt_group("copy"), endpoint, engine.version, "w")
+    await register(stub, "sum", "--reward", "checksum")
+    assert await groups.is_agent("sum") and not await groups.is_agent("toy_copy")
+    traj = await groups.run(prompt_group("sum"), endpoint, engine.version, "w")
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "copy 3"}], add_generation_prompt=True, tokenize=False)
     rendered = tok(text, add_special_tokens=False).input_ids
-    assert len(traj.completions) == G and traj.env_name == "copy" and traj.version_start == 0
+    assert len(traj.completions) == G and traj.env_name == "sum" and traj.version_start == 0
     for c in traj.completions:
         ids = list(traj.prompt_token_ids) + list(c.token_ids)
         assert ids[:len(rendered)] == list(rendered)  # the prompt exactly as the template renders it
         generated = [t for t, m in zip(c.token_ids, c.generated_mask) if m]
         assert generated and len(generated) == sum(c.generated_mask) and c.turns == 1
         answer = tok.decode(generated, skip_special_tokens=True)
-        assert c.reward == 2.0 * (answer.strip()[:1] == "3")  # the agent's own scoring, times reward_scale
+        assert c.reward == 2.0 * (sum(map(ord, answer)) % 97)  # the agent's own scoring, times reward_scale
         assert all(lp < 0 for lp, m in zip(c.generation_logprobs, c.generated_mask) if m)
     assert open_episodes() == 0
 
@@ -99,6 +99,7 @@ async def test_an_agent_that_calls_twice_gives_every_call_to_the_group(world):
                                            ("malformed", "malformed_reward")])
 async def test_a_failed_episode_fails_its_group_counted_and_leaves_no_episode_open(world, fault, reason):
     groups, endpoint, engine, stub = world
+    await register(stub, "copy")
     await register(stub, f"f-{fault}", "--fault", fault, timeout=3.0 if fault == "hang" else 40.0)
     labels = {"env": f"f-{fault}", "reason": reason}
     before = REGISTRY.get_sample_value("flywheel_rollout_agent_groups_failed_total", labels) or 0.0
