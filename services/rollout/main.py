@@ -323,8 +323,10 @@ class RolloutWorker:
             self.in_flight -= 1
 
     async def _run_group(self, group: types_pb2.PromptGroup, slot: Slot) -> types_pb2.TrajectoryGroup:
-        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop."""
-        if not await self.agents.is_agent(group.env_name):
+        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop.
+        A worker without the endpoint runs no agent group (the controller admits agents only when it is on), so it
+        never asks."""
+        if self.endpoint is None or not await self.agents.is_agent(group.env_name):
             return await self.runner.run(group, self.worker_id, generated=slot.generated)
         traj = await self.agents.run(group, self.endpoint, self.version, self.worker_id)
         await slot.generated()

@@ -40,7 +40,7 @@ PIPE_GRACE_S = 1.0
 class ProgramAgent(Agent):
     def __init__(self, *, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
                  task_file: bool = False) -> None:
-        if not command or not all(isinstance(a, str) and a for a in command):
+        if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
             raise ValueError(f"command must be a non-empty list of strings (argv), got {command!r}")
         self.command = list(command)
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
