@@ -13,8 +13,11 @@ import pytest
 from environment_service import serve_environment
 from prometheus_client import REGISTRY
 
-from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
+from services.common.config import FlywheelConfig
+from services.common.errors import InvalidArgument
+from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import to_struct
+from services.controller.registry import Registry
 
 ECHO = ("import json, os, sys; t = json.load(open(os.environ['FLYWHEEL_TASK_FILE'])) if 'FLYWHEEL_TASK_FILE' in "
         "os.environ else json.load(sys.stdin); print('a log line'); print(json.dumps({'reward': 0.5, 'metrics': {"
@@ -123,3 +126,35 @@ async def test_a_failed_agent_is_an_answer_with_its_reason_and_the_service_goes_
     assert (await run(agents, "echo")).reward == 0.5
     if reason == "crash":
         assert "boom" in r.error
+
+
+def registry_for(port: int, endpoint: bool) -> Registry:
+    return Registry(FlywheelConfig.model_validate({
+        "addresses": {"environment": f"127.0.0.1:{port}"}, "environments": [{"name": "toy", "kind": "toy_copy"}],
+        "policy": {"generation": {"endpoint": {"enabled": endpoint}}}}))
+
+
+async def test_the_controller_submits_an_agent_environment_and_refuses_one_without_the_endpoint():
+    server, port = await serve_environment()
+    spec = controller_pb2.EnvironmentSpec(
+        name="agent", kind="agent", weight=1.0, timeout_seconds=5,
+        rows=[types_pb2.DatasetRow(messages=[types_pb2.ChatMessage(role="user", content="copy 1")])],
+        agent=to_struct({"type": "program", "command": [sys.executable, "-c", ECHO]}))
+    try:
+        without = registry_for(port, endpoint=False)
+        with pytest.raises(InvalidArgument, match="policy.generation.endpoint.enabled"):
+            await without.submit(spec)
+        await without.close()
+        registry = registry_for(port, endpoint=True)
+        entry = await registry.submit(spec)
+        assert entry.num_prompts == 1
+        listed = await registry.env.List(environment_pb2.ListRequest())
+        assert listed.registered["agent"] == "agent:program"
+        bad = controller_pb2.EnvironmentSpec()
+        bad.CopyFrom(spec)
+        bad.name, bad.agent = "bad", to_struct({"type": "chess"})
+        with pytest.raises(InvalidArgument, match="agent.type must be one of"):
+            await registry.submit(bad)
+        await registry.close()
+    finally:
+        await server.stop(0)
