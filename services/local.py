@@ -307,6 +307,7 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
         await reports.put(types_pb2.StepReport.FromString(msg.data))
 
     await bus.nc.subscribe(bus.subjects.train_step, cb=on_step)
+    await bus.nc.subscribe(bus.subjects.poisoned, cb=_poison_printer())
     started = time.monotonic()
     try:
         while True:
@@ -332,6 +333,21 @@ async def _follow(cfg: FlywheelConfig, children: Children) -> int:
                 return 0
     finally:
         await bus.close()
+
+
+def _poison_printer() -> Callable:
+    """Prints one line per poisoned group (rollout gave up on it: rollout.max_group_failures) with its error; a
+    group announced twice (a worker's retried publish) once."""
+    seen: set[str] = set()
+
+    async def on_poisoned(msg) -> None:
+        p = types_pb2.PoisonedGroup.FromString(msg.data)
+        if p.group_id not in seen:
+            seen.add(p.group_id)
+            print(f"poisoned: prompt {p.prompt_id} ({p.env_name}) failed on delivery {p.deliveries} and was "
+                  f"dropped (rollout.max_group_failures): {p.error}", file=sys.stderr, flush=True)
+
+    return on_poisoned
 
 
 def _early_exit(cfg: FlywheelConfig) -> str:

@@ -7,8 +7,9 @@ Streams per run (names derive from the run id, so runs share a server safely):
 - TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write).
 - STATE: last-value subjects (weight announcements), so a late joiner reads the latest.
 - EVENTS: events that must not be lost while their consumer is down (StaleGroups, replay ->
-  controller, for stale and for dynamic-sampling-filtered groups): work-queue retention, one durable
-  consumer per subject that acks after handling (`consume`).
+  controller, for stale and for dynamic-sampling-filtered groups; PoisonedGroup, rollout -> controller):
+  work-queue retention, one durable consumer per subject that acks after handling (`consume`). The
+  launcher also watches the poisoned subject with a plain subscription, for its console.
 Heartbeats, confirmations and step reports are plain core-NATS events.
 
 The run's KV bucket (`open_state_bucket`) holds the controller's state (controller/state.py) and, under
@@ -90,6 +91,11 @@ class Subjects:
         return f"flywheel.{self._token}.replay.filtered"
 
     @property
+    def poisoned(self) -> str:
+        """Rollout -> controller and the launcher: a group that failed its deliveries the same way (PoisonedGroup)."""
+        return f"flywheel.{self._token}.rollout.poisoned"
+
+    @property
     def dead_letter(self) -> str:
         return f"flywheel.{self._token}.deadletter"
 
@@ -144,7 +150,7 @@ class Bus:
                                         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
         await self._ensure(StreamConfig(name=s.stream("state"), subjects=[s.weights_announce, s.dead_letter],
                                         max_msgs_per_subject=1, storage=StorageType.FILE))
-        await self._ensure(StreamConfig(name=s.stream("events"), subjects=[s.stale, s.filtered],
+        await self._ensure(StreamConfig(name=s.stream("events"), subjects=[s.stale, s.filtered, s.poisoned],
                                         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
 
     async def _ensure(self, config: StreamConfig) -> None:

@@ -671,6 +671,12 @@ class RolloutConfig(Section):
     """Deadline of one environment Step rpc. The groups that leave the engine together score in one call, up to a
     worker's groups in flight, so it covers all of their episodes; an environment's own timeout_s (a remote's
     per-call deadline) must be below it, or this deadline would cut that call first."""
+    max_group_failures: int = Field(3, gt=0)
+    """A group that fails with an error no redelivery fixes (not a broker or environment outage) on this delivery of
+    it or a later one (JetStream's count, every delivery included) is poisoned: dropped, counted, and replaced by a
+    new prompt (docs/reliability.md)."""
+    max_poisoned_groups: int = Field(10, ge=0)
+    """Poisoned groups the run goes on past; one more and the controller stops the run, naming the last error."""
 
 
 class ControllerConfig(Section):

@@ -4,6 +4,7 @@
     rollout heartbeats / WeightLoaded ──▶ loaded_version ─┐
     trainer StepReport ──▶ trained_step                   ├─▶ admission: lease target t while loaded >= t - k
     replay StaleGroups ──▶ lease those prompts again ─────┘
+    rollout PoisonedGroup ──▶ count; lease new prompts, or stop the run past rollout.max_poisoned_groups (poison.py)
 
 Back-pressure is the admission rule itself (admission.py): nothing is leased for a step
 whose weights are more than k versions ahead of what rollout serves, so the work queue
@@ -42,6 +43,7 @@ from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.controller.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
+from services.controller import poison
 from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts
 from services.controller.registry import Registry
 from services.controller.reporting import Reporting
@@ -76,6 +78,7 @@ class Controller:
         """Makes group ids unique to this run; saved with its state, so a restarted controller keeps it."""
         self.releases = 0
         self.refills: dict[int, int] = {}  # target step -> prompts leased to replace filtered groups
+        self.poisoned = 0  # groups rollout gave up on (poison.py)
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
 
@@ -91,7 +94,8 @@ class Controller:
                 await self.bus.nc.subscribe(s.weights_loaded, cb=self._on_loaded),
                 await self.bus.nc.subscribe(s.train_step, cb=self._on_step),
                 await self.bus.consume(s.stale, "controller-stale", self._on_stale),
-                await self.bus.consume(s.filtered, "controller-filtered", self._on_filtered)]
+                await self.bus.consume(s.filtered, "controller-filtered", self._on_filtered),
+                await self.bus.consume(s.poisoned, "controller-poisoned", self._on_poisoned)]
         registered = asyncio.create_task(self._keep_registered())
         try:
             while not stop.is_set():
@@ -142,6 +146,7 @@ class Controller:
     def snapshot(self) -> RunState:
         entries = self.registry.all()
         return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
+                        poisoned=self.poisoned,
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
@@ -153,7 +158,7 @@ class Controller:
         if saved is None:
             await self.state.save(self.snapshot())
             return
-        self.next_target, self.releases = saved.next_target, saved.releases
+        self.next_target, self.releases, self.poisoned = saved.next_target, saved.releases, saved.poisoned
         self.leased = await self.state.load_leases()
         self.lease_seed = saved.lease_seed or self.lease_seed  # a state saved before lease seeds had none
         for entry in self.registry.all():
@@ -286,13 +291,30 @@ class Controller:
             self.releases += 1
             await self._lease(target, f"refill/{gid}")
 
+    async def _on_poisoned(self, msg) -> None:
+        """A group no delivery could run: counted, and a new prompt leased in its place, not the same one (it
+        would fail again); past rollout.max_poisoned_groups the run stops."""
+        p = types_pb2.PoisonedGroup.FromString(msg.data)
+        old = self.leased.pop(p.group_id, None)
+        if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it
+            _warn.warning("poisoned", "ignored a poisoned-group event for group %r, not leased", p.group_id[:64])
+            return
+        self.poisoned += 1
+        log.error("%s", poison.describe(p))
+        self.fatal = poison.run_failure(self.poisoned, self.cfg.rollout, p)
+        if self.fatal:
+            self.wake.set()
+            return
+        self.releases += 1
+        await self._lease(max(self.trained_step + 1, old.target_step), f"poisoned/{p.group_id}")
+
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
         consumed = (self.trained_step + 1) * self.cfg.grpo.num_prompts_per_step
         leased = sum(e.leased for e in self.registry.all()) + self.releases
         return controller_pb2.StatusResponse(
             loaded_version=self.loaded_version, trained_step=self.trained_step, next_target_step=self.next_target,
-            outstanding_groups=max(0, leased - consumed), releases=self.releases,
+            outstanding_groups=max(0, leased - consumed - self.poisoned), releases=self.releases,
             rollout_workers=sorted(w for w, (_, seen) in self.workers.items() if now - seen < LIVE_S),
             done=self.trained_step + 1 >= self.cfg.grpo.max_num_steps)
 

@@ -39,6 +39,8 @@ class RunState:
     releases: int = 0
     lease_seed: str = ""
     """Part of every group id the run leases (main.py): a restarted controller's leases get the same ids."""
+    poisoned: int = 0
+    """Groups poisoned so far (poison.py): a restarted controller goes on counting toward rollout.max_poisoned_groups."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

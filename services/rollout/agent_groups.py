@@ -13,7 +13,8 @@ weighs k times in the baseline; with agents that keep to one conversation (the e
 sample per episode) the group is G completions, exactly as the built-in loop's.
 
 Failures: an episode whose agent failed (deadline, crash, malformed reward) or a group with no model call at
-all raises AgentFailed; the worker announces the group stale and the controller leases its prompt again. Each
+all raises AgentFailed; the worker hands the group back, so its prompt runs again, and poisons it at
+rollout.max_group_failures deliveries (an agent that always fails on it: the controller leases a new prompt). Each
 episode is closed the moment its RunAgent returns (or fails), so a call its agent (or anything the agent left
 running) makes after that is refused (410), and nothing it sends reaches another episode, each of which has its
 own session key and token.
@@ -37,7 +38,7 @@ KIND_TTL_S = 10.0
 DEADLINE_SHARE = 0.9
 """Share of rollout.step_timeout_s an episode may take, so the RunAgent call ends before its own deadline."""
 FAILED_GROUPS = Counter("flywheel_rollout_agent_groups_failed_total",
-                        "Agent groups dropped because an episode failed (their prompts are leased again)",
+                        "Agent group runs that failed because an episode failed (the group is handed back)",
                         ["env", "reason"])
 SAMPLES = Counter("flywheel_rollout_agent_samples_total", "Completions built from agent episodes' samples", ["env"])
 

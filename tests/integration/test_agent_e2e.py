@@ -2,7 +2,7 @@
 copy_agent.py (the real `openai` SDK) solves the toy copy task through each rollout worker's endpoint, and the
 steps' batches hold its groups next to toy_copy's. The oracle is the agent's own log of the token ids the endpoint
 answered it with, against the batches the trainer consumed (replay's chosen groups in Redis). Some prompts make
-their first episode crash: their groups fail, are leased again, and the run goes on."""
+their first episode crash: their groups fail, are handed back and run again, and the run goes on."""
 
 from __future__ import annotations
 
@@ -70,6 +70,6 @@ def test_a_program_agent_trains_beside_a_built_in_environment(tmp_path):
             n = sum(c.generated_mask)
             assert n > 0 and all(c.generated_mask[-n:])  # one call: its tokens trained, the prompt not
             assert (tuple(full[:-n]), tuple(full[-n:])) in calls  # exactly what the endpoint answered the agent
-    # copy 0 and copy 1 crashed their first time: that group was dropped and its prompt leased again; the run went on.
-    assert "an agent episode failed (crash" in rollout_log
+    # copy 0 and copy 1 crashed their first time: their groups were handed back and ran again; the run went on.
+    assert "handing it back: AgentFailed('crash" in rollout_log
     assert len(rows) >= STEPS

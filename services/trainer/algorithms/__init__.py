@@ -9,6 +9,7 @@ function returns `(value, metrics)` where it has metrics. Semantics follow NeMo 
 from services.trainer.algorithms.advantages import (compute_advantages, gdpo_advantages, group_layout,
                                                     reinforce_plus_plus_advantages)
 from services.trainer.algorithms.dapo import overlong_reward_penalty
+from services.trainer.algorithms.distillation import DistillationInputs, DistillationLossConfig, distillation_loss
 from services.trainer.algorithms.dpo import DPOInputs, DPOLossConfig, dpo_loss
 from services.trainer.algorithms.importance import actor_importance_weights, mask_by_sequence_error, mismatch_metrics
 from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
@@ -19,6 +20,8 @@ from services.trainer.algorithms.sft import NLLInputs, nll_loss
 __all__ = [
     "DPOInputs",
     "DPOLossConfig",
+    "DistillationInputs",
+    "DistillationLossConfig",
     "LossInputs",
     "NLLInputs",
     "PreferenceInputs",
@@ -26,6 +29,7 @@ __all__ = [
     "calculate_kl",
     "clipped_pg_loss",
     "compute_advantages",
+    "distillation_loss",
     "dpo_loss",
     "gdpo_advantages",
     "group_layout",

@@ -11,8 +11,9 @@ import services.trainer.algorithms as algorithms
 PACKAGE = pathlib.Path(algorithms.__file__).parent
 ALLOWED_IMPORTS = {"__future__", "collections", "dataclasses", "math", "typing", "torch", "services"}
 ALLOWED_SERVICES = ("services.common.config", "services.trainer.algorithms")
-CONFIG_MODULES = ("services.common.config", "services.common.nemo_rl")
-"""What importing the config loads: its schema, loader and NeMo RL key table (no IO at import)."""
+CONFIG_MODULES = ("services.common.config", "services.common.nemo_rl", "services.common.devices")
+"""What importing the config loads: its schema, loader, NeMo RL key tables and the device rules it checks
+(no IO at import)."""
 FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval"}
 
 

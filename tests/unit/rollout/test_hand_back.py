@@ -97,12 +97,14 @@ class FailingAgents:
         raise AgentFailed("crash", "exit status 3")
 
 
-async def test_a_group_whose_agent_failed_is_announced_stale_so_its_prompt_is_leased_again():
-    bus = Bus()
-    worker = RolloutWorker(load_config(None, []), Engine(), bus, "w")
-    worker.agents, worker.endpoint = FailingAgents(), object()
-    msg = Msg(1)
-    await worker._handle(msg, Slot(Slots(1)))
-    assert msg.outcome == ("term",)
-    [(subject, data, _)] = bus.published
-    assert subject == bus.subjects.stale and list(types_pb2.StaleGroups.FromString(data).group_ids) == ["g"]
+async def test_a_group_whose_agent_failed_is_handed_back_then_poisoned_at_the_bound():
+    cfg = load_config(None, [])
+    bound = cfg.rollout.max_group_failures
+    for deliveries, outcome in ((1, ("nak", 1.0)), (bound, ("term",))):
+        bus = Bus()
+        worker = RolloutWorker(cfg, Engine(), bus, "w")
+        worker.agents, worker.endpoint = FailingAgents(), object()
+        msg = Msg(deliveries)
+        await worker._handle(msg, Slot(Slots(1)))
+        assert msg.outcome == outcome
+        assert [s for s, _, _ in bus.published] == ([] if deliveries == 1 else [bus.subjects.poisoned])

@@ -190,3 +190,19 @@ class StaleGroups(_message.Message):
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoisonedGroup(_message.Message):
+    __slots__ = ("group_id", "prompt_id", "env_name", "deliveries", "error", "worker_id")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    prompt_id: str
+    env_name: str
+    deliveries: int
+    error: str
+    worker_id: str
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., deliveries: _Optional[int] = ..., error: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
