@@ -1,5 +1,6 @@
 """A program agent trains through `flywheel up`, mixed with a built-in environment: tests/fixtures/agents/
-copy_agent.py (the real `openai` SDK) solves the toy copy task through each rollout worker's endpoint, and the
+copy_agent.py (the real `openai` SDK) answers toy copy prompts through each rollout worker's endpoint and scores
+them with a checksum of its answer (a reward that differs within a group from the first step on), and the
 steps' batches hold its groups next to toy_copy's. The oracle is the agent's own log of the token ids the endpoint
 answered it with, against the batches the trainer consumed (replay's chosen groups in Redis). Some prompts make
 their first episode crash: their groups fail, are handed back and run again, and the run goes on."""
@@ -29,7 +30,8 @@ def _write(tmp_path: Path) -> Path:
              "metadata": {"ground_truth": str(d), "crash_first": d < 2}} for d in range(5)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "markers").mkdir()
-    agent = {"type": "program", "command": [sys.executable, str(AGENT), "--record", str(tmp_path / "calls.jsonl"),
+    agent = {"type": "program", "command": [sys.executable, str(AGENT), "--reward", "checksum",
+                                            "--record", str(tmp_path / "calls.jsonl"),
                                             "--crash-first", str(tmp_path / "markers")]}
     config = tmp_path / "agent.yaml"
     config.write_text(json.dumps({
@@ -62,6 +64,9 @@ def test_a_program_agent_trains_beside_a_built_in_environment(tmp_path):
     agent_groups = [g for g in groups if g.env_name == "agent"]
     assert agent_groups and any(g.env_name == "toy" for g in groups)
     assert any("train/reward_mean/agent" in r for r in rows) and any("train/reward_mean/toy" in r for r in rows)
+    # The agent's checksum rewards differ within a group (the untrained model's toy_copy rewards are mostly all 0):
+    # its groups carry nonzero advantages and the policy takes gradient steps on them.
+    assert any(r["train/grad_norm"] > 0 and r["train/advantages/std"] > 0 for r in rows if "train/reward_mean/agent" in r)
     calls = [(tuple(c["prompt"]), tuple(c["tokens"])) for c in read_rows(tmp_path / "calls.jsonl")]
     for g in agent_groups:
         assert len(g.completions) == cfg.grpo.num_generations_per_prompt
