@@ -66,7 +66,8 @@ def test_a_program_agent_trains_beside_a_built_in_environment(tmp_path):
     assert any("train/reward_mean/agent" in r for r in rows) and any("train/reward_mean/toy" in r for r in rows)
     # The agent's checksum rewards differ within a group (the untrained model's toy_copy rewards are mostly all 0):
     # its groups carry nonzero advantages and the policy takes gradient steps on them.
-    assert any(r["train/grad_norm"] > 0 and r["train/advantages/std"] > 0 for r in rows if "train/reward_mean/agent" in r)
+    assert any(r["train/grad_norm"] > 0 and r["train/advantages/std"] > 0
+               for r in rows if "train/reward_mean/agent" in r)
     calls = [(tuple(c["prompt"]), tuple(c["tokens"])) for c in read_rows(tmp_path / "calls.jsonl")]
     for g in agent_groups:
         assert len(g.completions) == cfg.grpo.num_generations_per_prompt
