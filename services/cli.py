@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--jsonl", default="", help="dataset path readable by the controller")
     submit.add_argument("--weight", type=float, default=1.0)
     submit.add_argument("--max-turns", type=int, default=1)
+    submit.add_argument("--agent", default="", help='agent spec as JSON, e.g. \'{"type": "program", "command": '
+                        '["python", "agent.py"]}\' (kind agent; docs/agents.md)')
+    submit.add_argument("--timeout", type=float, default=0.0, help="seconds per call (remote) or episode (agent)")
     env_sub.add_parser("list")
     remove = env_sub.add_parser("remove")
     remove.add_argument("name")

@@ -610,14 +610,26 @@ class EnvironmentSpec(Section):
     reward_scale: float = Field(1.0, gt=0)
     """Multiplier on this environment's reward."""
     timeout_s: float = Field(0.0, ge=0)
-    """Deadline of one call to a remote environment; 0 = the environment service's default (10 s)."""
+    """Deadline of one call to a remote environment; 0 = the environment service's default (10 s). For kind
+    agent: seconds one episode may take; 0 = 60 s."""
     sampling: EnvironmentSampling = EnvironmentSampling()
+    agent: dict[str, Any] = {}
+    """For kind agent: the agent spec, {type: program, command: [argv...]} and the type's fields
+    (docs/agents.md). An agent environment needs a dataset, and turns on policy.generation.endpoint."""
 
     @model_validator(mode="after")
     def _kind_xor_address(self) -> EnvironmentSpec:
         if bool(self.kind) == bool(self.address):
             raise ValueError("set exactly one of kind or address")
+        if (self.kind == AGENT) != bool(self.agent):
+            raise ValueError("kind agent needs `agent` ({type: program, command: [...]}), and only it takes one")
+        if self.kind == AGENT and not self.dataset:
+            raise ValueError("an agent environment generates no prompts: give it a dataset")
         return self
+
+
+AGENT = "agent"
+"""The environment kind whose episodes an agent runs against the rollout endpoint (docs/agents.md)."""
 
 
 class WeightSyncConfig(Section):
@@ -872,6 +884,12 @@ class FlywheelConfig(Section):
         if self.uses_reward_model and rm.timeout_s >= self.rollout.step_timeout_s:
             raise ValueError(f"env.reward_model.timeout_s {rm.timeout_s:g} must be below rollout.step_timeout_s "
                              f"({self.rollout.step_timeout_s:g}), the deadline of rollout's Step calls")
+        return self
+
+    @model_validator(mode="after")
+    def _agents_get_the_endpoint(self) -> FlywheelConfig:
+        if any(spec.kind == AGENT for spec in self.environments):
+            self.policy.generation.endpoint.enabled = True  # agents call the model through it
         return self
 
     @model_validator(mode="after")

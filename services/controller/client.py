@@ -9,6 +9,7 @@ Both commands find the local run by themselves (discovery.py) unless --controlle
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from services.common.pb.flywheel.v1 import controller_pb2, controller_pb2_grpc
 from services.common.config import SecurityConfig
 from services.common.jsonl import read_rows
 from services.common.server import channel
+from services.common.structs import to_struct
 from services.controller.discovery import LocalRun, RunNotFound, find_local_run
 
 
@@ -67,8 +69,10 @@ async def _env(args) -> None:
     client, _ = await _connect(args)
     try:
         if args.action == "submit":
-            spec = controller_pb2.EnvironmentSpec(name=args.name, kind=args.kind, address=args.address,
-                                                  jsonl_path=args.jsonl, weight=args.weight, max_turns=args.max_turns)
+            spec = controller_pb2.EnvironmentSpec(
+                name=args.name, kind=args.kind or ("agent" if args.agent else ""), address=args.address,
+                jsonl_path=args.jsonl, weight=args.weight, max_turns=args.max_turns, timeout_seconds=args.timeout,
+                agent=to_struct(json.loads(args.agent)) if args.agent else None)
             response = await client.submit(spec)
             print(f"submitted {args.name} ({response.num_prompts or 'generated'} prompts)")
         elif args.action == "list":

@@ -37,6 +37,7 @@ from services.common.logs import RateLimitedLog
 from services.common.pb.flywheel.v1 import (controller_pb2, controller_pb2_grpc, replay_pb2_grpc,
                                             rollout_pb2_grpc, types_pb2)
 from services.common.server import channel, run_service
+from services.common.structs import to_struct
 from services.common.telemetry import setup_telemetry
 from services.controller import auth
 from services.controller.admission import leasable_targets
@@ -350,7 +351,8 @@ def spec_from_config(spec: EnvironmentSpec) -> controller_pb2.EnvironmentSpec:
     return controller_pb2.EnvironmentSpec(
         name=spec.name, kind=spec.kind, address=spec.address, jsonl_path=spec.dataset, weight=spec.weight,
         max_turns=spec.max_turns, reward_scale=spec.reward_scale, timeout_seconds=spec.timeout_s,
-        sampling=types_pb2.SamplingParams(**spec.sampling.model_dump()))
+        sampling=types_pb2.SamplingParams(**spec.sampling.model_dump()),
+        agent=to_struct(spec.agent) if spec.agent else None)
 
 
 def refill_budget(g) -> int:

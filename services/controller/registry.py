@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import FlywheelConfig
+from services.common.config import AGENT, FlywheelConfig
 from services.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
                                     require)
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
@@ -67,6 +67,7 @@ class Registry:
         self.cfg = cfg
         self._channel = channel(cfg.addresses.environment, security=cfg.security)
         self.env = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
+        self.agents = environment_pb2_grpc.AgentServiceStub(self._channel)
         self.entries: dict[str, Entry] = {}
         self._pending: set[str] = set()  # names being submitted: a concurrent duplicate is refused at once
 
@@ -87,6 +88,9 @@ class Registry:
         require(spec.timeout_seconds < limit,
                 f"{spec.name}: timeout_seconds {spec.timeout_seconds:g} must be below rollout.step_timeout_s "
                 f"({limit:g}), the deadline of rollout's Step calls, which would cut it first")
+        require(spec.kind != AGENT or self.cfg.policy.generation.endpoint.enabled,
+                f"{spec.name}: an agent environment needs the rollout workers' endpoint, and this run serves none: "
+                "start the run with policy.generation.endpoint.enabled=true (or an agent in `environments`)")
         if spec.name in self.entries or spec.name in self._pending:
             raise AlreadyExists(f"environment {spec.name!r} is already in the mix; remove it first "
                                 f"(flywheel env remove {spec.name}) or pick another name")
@@ -136,6 +140,11 @@ class Registry:
         return [spec.name for spec in lost]
 
     async def _register(self, spec: controller_pb2.EnvironmentSpec) -> None:
+        if spec.kind == AGENT:  # the environment service's AgentService runs its episodes
+            await self._call(spec.name, self.agents.RegisterAgent(environment_pb2.RegisterAgentRequest(
+                name=spec.name, agent=spec.agent, timeout_seconds=spec.timeout_seconds), timeout=30,
+                wait_for_ready=True))
+            return
         await self._call(spec.name, self.env.Register(environment_pb2.RegisterRequest(
             name=spec.name, kind=spec.kind, address=spec.address, timeout_seconds=spec.timeout_seconds),
             timeout=30, wait_for_ready=True))
@@ -196,6 +205,9 @@ def validate(spec: controller_pb2.EnvironmentSpec) -> None:
     n = spec.name
     require(bool(spec.kind) != bool(spec.address),
             f"{n}: set exactly one of kind (a built-in) or address (host:port of a remote environment)")
+    require((spec.kind == AGENT) == spec.HasField("agent"),
+            f"{n}: kind {AGENT!r} needs `agent` (its spec: {{\"type\": \"program\", \"command\": [...]}}), "
+            "and only it takes one")
     if spec.address:
         match = ADDRESS.match(spec.address)
         require(bool(match) and 0 < int(match.group(2)) < 65536,

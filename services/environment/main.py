@@ -6,6 +6,7 @@ from services.common.config import REWARD_MODEL, FlywheelConfig
 from services.common.pb.flywheel.v1 import environment_pb2_grpc
 from services.common.server import run_service
 from services.common.telemetry import setup_telemetry
+from services.environment.agents.service import AgentServicer
 from services.environment.remote import RemoteEnvironment
 from services.environment.server import EnvironmentServicer
 
@@ -18,5 +19,7 @@ async def serve(cfg: FlywheelConfig) -> None:
                                          timeout_s=cfg.env.reward_model.timeout_s, wait_for_ready=True)
     servicer = EnvironmentServicer(settings=cfg.env.model_dump(), reward_model=reward_model)
     await run_service("environment", cfg.addresses.environment,
-                      lambda server: environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server),
+                      lambda server: (environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server),
+                                      environment_pb2_grpc.add_AgentServiceServicer_to_server(
+                                          AgentServicer(servicer), server)),
                       security=cfg.security)

@@ -20,10 +20,11 @@ import time
 from opentelemetry import trace
 
 from services.common.config import REWARD_MODEL
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable, require
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable, require
 from services.common.messages import dataset_row, message_from_dict, message_to_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
+from services.environment.agents.service import AgentEnvironment
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
 from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
 
@@ -31,6 +32,7 @@ NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
 tracer = trace.get_tracer("flywheel.environment")
 RETIRED_GRACE_S = 600.0
 """How long an unregistered environment still serves Step for groups leased before its removal."""
+Named = Environment | RemoteEnvironment | AgentEnvironment
 MAX_TIMEOUT_S = 86400.0
 """A remote's per-call deadline, at most. gRPC cannot represent one past ~292 years (inf, 1e10) and fails such
 a call at once with DEADLINE_EXCEEDED: every Prompts of the remote would have been UNAVAILABLE."""
@@ -70,11 +72,11 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         """Keyword arguments of each built-in kind (the config's env section, e.g. {"math": {"num_workers": 8}})."""
         self.reward_model = reward_model
         """The run's reward-model server, which scores the kind reward_model; None when the config uses none."""
-        self.named: dict[str, Environment | RemoteEnvironment] = {}
+        self.named: dict[str, Named] = {}
         self.sources: dict[str, str] = {}
-        self.retired: dict[str, tuple[Environment | RemoteEnvironment, float]] = {}  # name -> (env, retired at)
+        self.retired: dict[str, tuple[Named, float]] = {}  # name -> (env, retired at)
 
-    def _resolve(self, name: str) -> Environment | RemoteEnvironment:
+    def resolve(self, name: str) -> Named:
         if name in self.named:
             return self.named[name]
         if name in self.retired and time.monotonic() - self.retired[name][1] <= RETIRED_GRACE_S:
@@ -86,7 +88,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         self.sources[name] = f"builtin:{name}"
         return self.named[name]
 
-    def _builtin(self, kind: str) -> Environment | RemoteEnvironment:
+    def _builtin(self, kind: str) -> Named:
         if kind != REWARD_MODEL:
             return make_environment(kind, self.settings)
         if self.reward_model is None:
@@ -97,7 +99,10 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def Step(self, request, context):
         require(request.env_name != "", "env_name is required")
         require(len(request.episodes) > 0, "episodes must not be empty")
-        env = self._resolve(request.env_name)
+        env = self.resolve(request.env_name)
+        if isinstance(env, AgentEnvironment):
+            raise FailedPrecondition(f"environment {request.env_name!r} is an agent environment: rollout runs its "
+                                     "episodes through AgentService.RunAgent, not Step")
         # A child of the caller's span (the rollout group's trace) when the call carries a traceparent.
         with tracer.start_as_current_span("environment.step", attributes={
                 "flywheel.env": request.env_name, "flywheel.episodes": len(request.episodes)}) as span:
@@ -145,10 +150,14 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
                                     timeout_s=request.timeout_seconds or DEFAULT_TIMEOUT_S)
             await env.check_reachable()
             source = request.address
-        await self._drop(request.name)
-        await self._forget_retired(request.name)
-        self.named[request.name], self.sources[request.name] = env, source
+        await self.install(request.name, env, source)
         return environment_pb2.RegisterResponse()
+
+    async def install(self, name: str, env: Named, source: str) -> None:
+        """Serves `env` under `name` (List shows `source`), retiring what had the name."""
+        await self._drop(name)
+        await self._forget_retired(name)
+        self.named[name], self.sources[name] = env, source
 
     async def Unregister(self, request, context):
         await self._drop(request.name)
@@ -167,8 +176,8 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
 
     async def _forget_retired(self, name: str) -> None:
         old, _ = self.retired.pop(name, (None, 0.0))
-        if isinstance(old, RemoteEnvironment) and old is not self.reward_model:  # that one serves every name of the kind
-            await old.close()
+        if isinstance(old, (RemoteEnvironment, AgentEnvironment)) and old is not self.reward_model:
+            await old.close()  # not the reward model: that one serves every name of its kind
 
     async def List(self, request, context):
         kinds = [*BUILTIN, REWARD_MODEL] if self.reward_model is not None else list(BUILTIN)
@@ -177,7 +186,9 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def Prompts(self, request, context):
         require(1 <= request.count <= 100_000, f"count must be in 1..100000, got {request.count}")
         require(request.offset >= 0, f"offset must be >= 0, got {request.offset}")
-        env = self._resolve(request.env_name)
+        env = self.resolve(request.env_name)
+        if isinstance(env, AgentEnvironment):
+            raise InvalidArgument(f"agent environment {request.env_name!r} generates no prompts: give it a dataset")
         if isinstance(env, RemoteEnvironment):
             return await env.prompts(request)
         # In a worker thread, as Step: 100,000 generated rows take seconds, and Step calls must not wait for them.

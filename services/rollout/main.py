@@ -20,6 +20,9 @@ from the mix (NOT_FOUND) is announced stale, and the controller leases a prompt 
 that fails otherwise (an error no redelivery fixes: a chat template that refuses its conversation, say) is
 handed back too, until its rollout.max_group_failures-th delivery: then it is poisoned (failures.py), announced
 (PoisonedGroup: the controller leases a new prompt and counts it, the console shows it) and dropped.
+A group of an agent environment runs on the worker's OpenAI-compatible endpoint instead (agent_groups.py); one
+whose agent failed (deadline, crash, malformed reward: AgentFailed) is such a failure: handed back, so its prompt
+runs again, and poisoned at the bound (an agent that always fails on it).
 
 Weights: the engine receives each announced version over the weight channel (for vLLM, inside vLLM's
 worker process) between requests, or in flight with grpo.async_grpo.in_flight_weight_updates (vLLM).
@@ -49,6 +52,7 @@ from services.common.pb.flywheel.v1 import (environment_pb2_grpc, rollout_pb2, r
 from services.common.server import channel, run_service
 from services.common.telemetry import current_traceparent, extract_context, setup_telemetry
 from services.common.work import check_episodes, check_sampling
+from services.rollout.agent_groups import AgentFailed, AgentGroups
 from services.rollout.engines import Engine, Sampling, make_engine
 from services.rollout.episodes import EpisodeRunner, prompt_token_ids
 from services.rollout.failures import GONE, POISON, describe, fate, transient
@@ -182,8 +186,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.in_flight = 0
         self.tracer = trace.get_tracer("flywheel.rollout")
-        self.env = environment_pb2_grpc.EnvironmentServiceStub(
-            channel(cfg.addresses.environment, security=cfg.security))
+        env_channel = channel(cfg.addresses.environment, security=cfg.security)
+        self.env = environment_pb2_grpc.EnvironmentServiceStub(env_channel)
+        self.agents = AgentGroups(environment_pb2_grpc.AgentServiceStub(env_channel), model=cfg.policy.model_name,
+                                  step_timeout_s=cfg.rollout.step_timeout_s)
         self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
                                     max_seq_len=cfg.policy.max_total_sequence_length,
                                     max_prompt_len=cfg.data.max_input_seq_length,
@@ -294,7 +300,7 @@ class RolloutWorker:
                                                    attributes={"flywheel.group_id": group.group_id,
                                                                "flywheel.target_step": group.target_step,
                                                                "flywheel.worker": self.worker_id}) as span:
-                traj = await self.runner.run(group, self.worker_id, generated=slot.generated)
+                traj = await self._run_group(group, slot)
                 traj.traceparent = current_traceparent()  # the trainer links its step to this trace
                 span.set_attributes({"flywheel.version_start": traj.version_start,
                                      "flywheel.generation_seconds": traj.generation_seconds,
@@ -314,6 +320,16 @@ class RolloutWorker:
             keepalive.cancel()
             self.in_flight -= 1
 
+    async def _run_group(self, group: types_pb2.PromptGroup, slot: Slot) -> types_pb2.TrajectoryGroup:
+        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop.
+        A worker without the endpoint runs no agent group (the controller admits agents only when it is on), so it
+        never asks."""
+        if self.endpoint is None or not await self.agents.is_agent(group.env_name):
+            return await self.runner.run(group, self.worker_id, generated=slot.generated)
+        traj = await self.agents.run(group, self.endpoint, self.version, self.worker_id)
+        await slot.generated()
+        return traj
+
     async def _failed(self, msg, group: types_pb2.PromptGroup, err: Exception) -> None:
         """Hand the group back, or drop it for good (failures.py says which)."""
         deliveries = msg.metadata.num_delivered
@@ -323,7 +339,7 @@ class RolloutWorker:
         elif action == POISON:
             await self._poison(msg, group, err, deliveries)
         else:
-            if transient(err):
+            if transient(err) or isinstance(err, AgentFailed):  # expected: no traceback
                 _warn.warning("group failed", "group %s failed; handing it back: %r", group.group_id, err)
             else:
                 log.exception("group %s failed (delivery %d); handing it back", group.group_id, deliveries)

@@ -48,6 +48,11 @@ class AgentError(RuntimeError):
     """The episode failed on the agent's side (crash, malformed reward, deadline): it scores nothing and is
     counted; the run goes on."""
 
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
+        """Short label for metrics: crash, malformed_reward, deadline, error."""
+
 
 class Agent(abc.ABC):
     """Runs episodes of one agent environment; one instance serves many concurrent episodes."""

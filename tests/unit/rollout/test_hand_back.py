@@ -12,6 +12,7 @@ import pytest
 from services.common.bus import Subjects
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import types_pb2
+from services.rollout.agent_groups import AgentFailed
 from services.rollout.main import MAX_HAND_BACK_S, RolloutWorker, Slot, Slots, hand_back_delay
 
 
@@ -84,3 +85,26 @@ async def test_a_group_whose_environment_is_gone_is_announced_stale_and_dropped(
     [(subject, data, msg_id)] = bus.published
     assert subject == bus.subjects.stale and msg_id == "gone:g"
     assert list(types_pb2.StaleGroups.FromString(data).group_ids) == ["g"]
+
+
+class FailingAgents:
+    """An agent environment whose episode failed (the agent crashed)."""
+
+    async def is_agent(self, env_name):
+        return True
+
+    async def run(self, group, endpoint, version, worker_id):
+        raise AgentFailed("crash", "exit status 3")
+
+
+async def test_a_group_whose_agent_failed_is_handed_back_then_poisoned_at_the_bound():
+    cfg = load_config(None, [])
+    bound = cfg.rollout.max_group_failures
+    for deliveries, outcome in ((1, ("nak", 1.0)), (bound, ("term",))):
+        bus = Bus()
+        worker = RolloutWorker(cfg, Engine(), bus, "w")
+        worker.agents, worker.endpoint = FailingAgents(), object()
+        msg = Msg(deliveries)
+        await worker._handle(msg, Slot(Slots(1)))
+        assert msg.outcome == outcome
+        assert [s for s, _, _ in bus.published] == ([] if deliveries == 1 else [bus.subjects.poisoned])

@@ -23,35 +23,36 @@ _sym_db = _symbol_database.Default()
 
 
 from services.common.pb.flywheel.v1 import types_pb2 as flywheel_dot_v1_dot_types__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66lywheel/v1/controller.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\"\xfa\x01\n\x0f\x45nvironmentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x04rows\x18\x04 \x03(\x0b\x32\x17.flywheel.v1.DatasetRow\x12\x12\n\njsonl_path\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x11\n\tmax_turns\x18\x07 \x01(\x05\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x14\n\x0creward_scale\x18\t \x01(\x01\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\"F\n\x18SubmitEnvironmentRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.flywheel.v1.EnvironmentSpec\"0\n\x19SubmitEnvironmentResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\"\x19\n\x17ListEnvironmentsRequest\"V\n\x11\x45nvironmentStatus\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.flywheel.v1.EnvironmentSpec\x12\x15\n\rleased_groups\x18\x02 \x01(\x03\"P\n\x18ListEnvironmentsResponse\x12\x34\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1e.flywheel.v1.EnvironmentStatus\"(\n\x18RemoveEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19RemoveEnvironmentResponse\"\x0f\n\rStatusRequest\"\xad\x01\n\x0eStatusResponse\x12\x16\n\x0eloaded_version\x18\x01 \x01(\x03\x12\x14\n\x0ctrained_step\x18\x02 \x01(\x03\x12\x18\n\x10next_target_step\x18\x03 \x01(\x03\x12\x1a\n\x12outstanding_groups\x18\x04 \x01(\x03\x12\x10\n\x08releases\x18\x05 \x01(\x03\x12\x17\n\x0frollout_workers\x18\x06 \x03(\t\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x32\xff\x02\n\x11\x43ontrollerService\x12\x62\n\x11SubmitEnvironment\x12%.flywheel.v1.SubmitEnvironmentRequest\x1a&.flywheel.v1.SubmitEnvironmentResponse\x12_\n\x10ListEnvironments\x12$.flywheel.v1.ListEnvironmentsRequest\x1a%.flywheel.v1.ListEnvironmentsResponse\x12\x62\n\x11RemoveEnvironment\x12%.flywheel.v1.RemoveEnvironmentRequest\x1a&.flywheel.v1.RemoveEnvironmentResponse\x12\x41\n\x06Status\x12\x1a.flywheel.v1.StatusRequest\x1a\x1b.flywheel.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66lywheel/v1/controller.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xa2\x02\n\x0f\x45nvironmentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x04rows\x18\x04 \x03(\x0b\x32\x17.flywheel.v1.DatasetRow\x12\x12\n\njsonl_path\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x11\n\tmax_turns\x18\x07 \x01(\x05\x12-\n\x08sampling\x18\x08 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x14\n\x0creward_scale\x18\t \x01(\x01\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12&\n\x05\x61gent\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\"F\n\x18SubmitEnvironmentRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.flywheel.v1.EnvironmentSpec\"0\n\x19SubmitEnvironmentResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\"\x19\n\x17ListEnvironmentsRequest\"V\n\x11\x45nvironmentStatus\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.flywheel.v1.EnvironmentSpec\x12\x15\n\rleased_groups\x18\x02 \x01(\x03\"P\n\x18ListEnvironmentsResponse\x12\x34\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1e.flywheel.v1.EnvironmentStatus\"(\n\x18RemoveEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19RemoveEnvironmentResponse\"\x0f\n\rStatusRequest\"\xad\x01\n\x0eStatusResponse\x12\x16\n\x0eloaded_version\x18\x01 \x01(\x03\x12\x14\n\x0ctrained_step\x18\x02 \x01(\x03\x12\x18\n\x10next_target_step\x18\x03 \x01(\x03\x12\x1a\n\x12outstanding_groups\x18\x04 \x01(\x03\x12\x10\n\x08releases\x18\x05 \x01(\x03\x12\x17\n\x0frollout_workers\x18\x06 \x03(\t\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x32\xff\x02\n\x11\x43ontrollerService\x12\x62\n\x11SubmitEnvironment\x12%.flywheel.v1.SubmitEnvironmentRequest\x1a&.flywheel.v1.SubmitEnvironmentResponse\x12_\n\x10ListEnvironments\x12$.flywheel.v1.ListEnvironmentsRequest\x1a%.flywheel.v1.ListEnvironmentsResponse\x12\x62\n\x11RemoveEnvironment\x12%.flywheel.v1.RemoveEnvironmentRequest\x1a&.flywheel.v1.RemoveEnvironmentResponse\x12\x41\n\x06Status\x12\x1a.flywheel.v1.StatusRequest\x1a\x1b.flywheel.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flywheel.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENVIRONMENTSPEC']._serialized_start=71
-  _globals['_ENVIRONMENTSPEC']._serialized_end=321
-  _globals['_SUBMITENVIRONMENTREQUEST']._serialized_start=323
-  _globals['_SUBMITENVIRONMENTREQUEST']._serialized_end=393
-  _globals['_SUBMITENVIRONMENTRESPONSE']._serialized_start=395
-  _globals['_SUBMITENVIRONMENTRESPONSE']._serialized_end=443
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=445
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=470
-  _globals['_ENVIRONMENTSTATUS']._serialized_start=472
-  _globals['_ENVIRONMENTSTATUS']._serialized_end=558
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=560
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=640
-  _globals['_REMOVEENVIRONMENTREQUEST']._serialized_start=642
-  _globals['_REMOVEENVIRONMENTREQUEST']._serialized_end=682
-  _globals['_REMOVEENVIRONMENTRESPONSE']._serialized_start=684
-  _globals['_REMOVEENVIRONMENTRESPONSE']._serialized_end=711
-  _globals['_STATUSREQUEST']._serialized_start=713
-  _globals['_STATUSREQUEST']._serialized_end=728
-  _globals['_STATUSRESPONSE']._serialized_start=731
-  _globals['_STATUSRESPONSE']._serialized_end=904
-  _globals['_CONTROLLERSERVICE']._serialized_start=907
-  _globals['_CONTROLLERSERVICE']._serialized_end=1290
+  _globals['_ENVIRONMENTSPEC']._serialized_start=101
+  _globals['_ENVIRONMENTSPEC']._serialized_end=391
+  _globals['_SUBMITENVIRONMENTREQUEST']._serialized_start=393
+  _globals['_SUBMITENVIRONMENTREQUEST']._serialized_end=463
+  _globals['_SUBMITENVIRONMENTRESPONSE']._serialized_start=465
+  _globals['_SUBMITENVIRONMENTRESPONSE']._serialized_end=513
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=515
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=540
+  _globals['_ENVIRONMENTSTATUS']._serialized_start=542
+  _globals['_ENVIRONMENTSTATUS']._serialized_end=628
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=630
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=710
+  _globals['_REMOVEENVIRONMENTREQUEST']._serialized_start=712
+  _globals['_REMOVEENVIRONMENTREQUEST']._serialized_end=752
+  _globals['_REMOVEENVIRONMENTRESPONSE']._serialized_start=754
+  _globals['_REMOVEENVIRONMENTRESPONSE']._serialized_end=781
+  _globals['_STATUSREQUEST']._serialized_start=783
+  _globals['_STATUSREQUEST']._serialized_end=798
+  _globals['_STATUSRESPONSE']._serialized_start=801
+  _globals['_STATUSRESPONSE']._serialized_end=974
+  _globals['_CONTROLLERSERVICE']._serialized_start=977
+  _globals['_CONTROLLERSERVICE']._serialized_end=1360
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from services.common.pb.flywheel.v1 import types_pb2 as _types_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EnvironmentSpec(_message.Message):
-    __slots__ = ("name", "kind", "address", "rows", "jsonl_path", "weight", "max_turns", "sampling", "reward_scale", "timeout_seconds")
+    __slots__ = ("name", "kind", "address", "rows", "jsonl_path", "weight", "max_turns", "sampling", "reward_scale", "timeout_seconds", "agent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +20,7 @@ class EnvironmentSpec(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REWARD_SCALE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     address: str
@@ -29,7 +31,8 @@ class EnvironmentSpec(_message.Message):
     sampling: _types_pb2.SamplingParams
     reward_scale: float
     timeout_seconds: float
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    agent: _struct_pb2.Struct
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[_types_pb2.DatasetRow, _Mapping]]] = ..., jsonl_path: _Optional[str] = ..., weight: _Optional[float] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reward_scale: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., agent: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("spec",)

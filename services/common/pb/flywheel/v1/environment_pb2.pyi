@@ -123,3 +123,66 @@ class ListResponse(_message.Message):
     builtin_kinds: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.ScalarMap[str, str]
     def __init__(self, builtin_kinds: _Optional[_Iterable[str]] = ..., registered: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RegisterAgentRequest(_message.Message):
+    __slots__ = ("name", "agent", "timeout_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    agent: _struct_pb2.Struct
+    timeout_seconds: float
+    def __init__(self, name: _Optional[str] = ..., agent: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RegisterAgentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunAgentRequest(_message.Message):
+    __slots__ = ("env_name", "base_url", "api_key", "model", "task_json", "deadline_s")
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    env_name: str
+    base_url: str
+    api_key: str
+    model: str
+    task_json: str
+    deadline_s: float
+    def __init__(self, env_name: _Optional[str] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ..., model: _Optional[str] = ..., task_json: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class RunAgentResponse(_message.Message):
+    __slots__ = ("reward", "metrics", "error", "error_reason", "seconds")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    metrics: _containers.ScalarMap[str, float]
+    error: str
+    error_reason: str
+    seconds: float
+    def __init__(self, reward: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DescribeEnvironmentRequest(_message.Message):
+    __slots__ = ("env_name",)
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    env_name: str
+    def __init__(self, env_name: _Optional[str] = ...) -> None: ...
+
+class DescribeEnvironmentResponse(_message.Message):
+    __slots__ = ("agent_type",)
+    AGENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    agent_type: str
+    def __init__(self, agent_type: _Optional[str] = ...) -> None: ...

@@ -278,3 +278,186 @@ class EnvironmentService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AgentServiceStub:
+    """Agent environments (docs/agents.md): an agent, not Flywheel's episode loop, runs each
+    episode against the rollout worker's OpenAI-compatible endpoint. The environment service
+    owns the agent's lifecycle (start, per-episode deadline, reward); rollout owns generation
+    and recording. Served by the environment service beside EnvironmentService, which lists,
+    unregisters and retires agent environments as any other (Step on one is FAILED_PRECONDITION).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterAgent = channel.unary_unary(
+                '/flywheel.v1.AgentService/RegisterAgent',
+                request_serializer=flywheel_dot_v1_dot_environment__pb2.RegisterAgentRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_environment__pb2.RegisterAgentResponse.FromString,
+                _registered_method=True)
+        self.RunAgent = channel.unary_unary(
+                '/flywheel.v1.AgentService/RunAgent',
+                request_serializer=flywheel_dot_v1_dot_environment__pb2.RunAgentRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_environment__pb2.RunAgentResponse.FromString,
+                _registered_method=True)
+        self.DescribeEnvironment = channel.unary_unary(
+                '/flywheel.v1.AgentService/DescribeEnvironment',
+                request_serializer=flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentResponse.FromString,
+                _registered_method=True)
+
+
+class AgentServiceServicer:
+    """Agent environments (docs/agents.md): an agent, not Flywheel's episode loop, runs each
+    episode against the rollout worker's OpenAI-compatible endpoint. The environment service
+    owns the agent's lifecycle (start, per-episode deadline, reward); rollout owns generation
+    and recording. Served by the environment service beside EnvironmentService, which lists,
+    unregisters and retires agent environments as any other (Step on one is FAILED_PRECONDITION).
+    """
+
+    def RegisterAgent(self, request, context):
+        """Adds a named agent environment. Idempotent for the same spec; ALREADY_EXISTS when the
+        name is registered to something else; INVALID_ARGUMENT for an unknown agent type or a
+        spec that type refuses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunAgent(self, request, context):
+        """Runs one episode of an agent environment to its end and returns its reward. The episode
+        is already open on the caller's endpoint. An agent that fails (deadline, crash,
+        malformed reward) is answered with RunAgentResponse.error set, not a status: the
+        episode scores nothing and the caller drops its group. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeEnvironment(self, request, context):
+        """What kind of environment a name is, so rollout knows which path runs its groups.
+        Retired names (unregistered, still in their grace) are described too. NOT_FOUND for a
+        name that is neither registered, retired nor a built-in kind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterAgent,
+                    request_deserializer=flywheel_dot_v1_dot_environment__pb2.RegisterAgentRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_environment__pb2.RegisterAgentResponse.SerializeToString,
+            ),
+            'RunAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunAgent,
+                    request_deserializer=flywheel_dot_v1_dot_environment__pb2.RunAgentRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_environment__pb2.RunAgentResponse.SerializeToString,
+            ),
+            'DescribeEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeEnvironment,
+                    request_deserializer=flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'flywheel.v1.AgentService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('flywheel.v1.AgentService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AgentService:
+    """Agent environments (docs/agents.md): an agent, not Flywheel's episode loop, runs each
+    episode against the rollout worker's OpenAI-compatible endpoint. The environment service
+    owns the agent's lifecycle (start, per-episode deadline, reward); rollout owns generation
+    and recording. Served by the environment service beside EnvironmentService, which lists,
+    unregisters and retires agent environments as any other (Step on one is FAILED_PRECONDITION).
+    """
+
+    @staticmethod
+    def RegisterAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.AgentService/RegisterAgent',
+            flywheel_dot_v1_dot_environment__pb2.RegisterAgentRequest.SerializeToString,
+            flywheel_dot_v1_dot_environment__pb2.RegisterAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.AgentService/RunAgent',
+            flywheel_dot_v1_dot_environment__pb2.RunAgentRequest.SerializeToString,
+            flywheel_dot_v1_dot_environment__pb2.RunAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.AgentService/DescribeEnvironment',
+            flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentRequest.SerializeToString,
+            flywheel_dot_v1_dot_environment__pb2.DescribeEnvironmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
