@@ -421,6 +421,6 @@ async def start_endpoint(cfg: FlywheelConfig, engine: Engine, worker_id: str):
         return None
     from services.rollout.endpoint.server import EndpointServer
 
-    endpoint = EndpointServer(cfg, engine, worker_id, tool_parser=getattr(cfg.policy.generation, "tool_parser", None))
+    endpoint = EndpointServer(cfg, engine, worker_id, tool_parser=cfg.policy.generation.tool_parser)
     await endpoint.start()
     return endpoint

@@ -1,0 +1,67 @@
+"""Chat with tools through the endpoint returns parsed `tool_calls` (issue 33): the tiny model, briefly supervised
+to write tool_add's <tool_call> blocks (tests/tool_demos.py), served by the hf engine behind the endpoint with
+vLLM's hermes parser, asked through the `openai` SDK. The oracle reads the calls from the returned token ids
+itself (the tiny template writes `<tool_call>{json}</tool_call>`), not through the parser under test."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import pytest_asyncio
+from engine_harness import Trainer
+from openai import AsyncOpenAI
+from tool_demos import warm_start
+
+from services.common.config import load_config
+from services.common.modeling import load_policy
+from services.environment.envs.tool_add import ADD_TOOL
+from services.rollout.endpoint.server import EndpointServer
+from services.rollout.engines import make_engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+SAMPLES = 8
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory):
+    model_dir = warm_start(tmp_path_factory.mktemp("warm"), steps=180, answer_fraction=1.0)
+    cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
+                             "policy.max_total_sequence_length=256", "policy.generation.max_new_tokens=80",
+                             "policy.generation.tool_parser=hermes"])
+    engine = make_engine(cfg, "endpoint-tools")
+    await engine.start()
+    trainer = Trainer("endpoint-tools")
+    model, _ = load_policy(cfg.policy, cfg.run.seed)
+    await trainer.push(engine, 0, model)
+    endpoint = EndpointServer(cfg, engine, "endpoint-tools", tool_parser=cfg.policy.generation.tool_parser)
+    await endpoint.start()
+    yield endpoint, engine
+    await endpoint.stop()
+    trainer.close()
+    await engine.close()
+
+
+async def test_a_chat_with_tools_returns_the_calls_the_model_wrote_as_tool_calls(served):
+    endpoint, engine = served
+    key, token, base_url = endpoint.open_episode(metadata={"group_id": "g"})
+    client = AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0)
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "add 2 3"}],
+                                             tools=[ADD_TOOL], n=SAMPLES, extra_body={"return_token_ids": True})
+    endpoint.close_episode(key)
+
+    parsed = 0
+    for choice in r.choices:
+        text = engine.tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
+        written = [json.loads(m) for m in CALL.findall(text)]
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        if not written:
+            assert got == [] and choice.finish_reason != "tool_calls", text
+            continue
+        assert got == [(w["name"], w["arguments"]) for w in written], text
+        assert choice.finish_reason == "tool_calls" and all(c.id and c.type == "function"
+                                                            for c in choice.message.tool_calls)
+        parsed += 1
+    assert parsed > 0, "the warm-started model wrote no call in any sample"
