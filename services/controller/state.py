@@ -1,6 +1,6 @@
 """The controller's share of run state, kept in a NATS KV bucket so a restarted controller goes on.
 
-    lease window ──▶ RunState{next_target, cursor offsets, leased counts, releases, lease seed} ──put──▶ key "controller"
+    lease ──▶ RunState{next_target, cursor offsets, leased counts, releases, lease seed, pending} ──put──▶ key "controller"
                  └─▶ groups leased and not yet trained ──put / purge──▶ keys "lease.<group id>"
     SubmitEnvironment / RemoveEnvironment ──put / purge──▶ keys "env.<name>" (the spec as submitted)
     controller start ──get──▶ RunState, leases, submitted specs ──▶ same mix, same next target, each
@@ -41,6 +41,8 @@ class RunState:
     """Part of every group id the run leases (main.py): a restarted controller's leases get the same ids."""
     poisoned: int = 0
     """Groups poisoned so far (poison.py): a restarted controller goes on counting toward rollout.max_poisoned_groups."""
+    pending: dict[str, str] = field(default_factory=dict)
+    """Groups saved and maybe not published (journal.py): group id -> serialized PromptGroup (base64)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
