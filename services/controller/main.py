@@ -107,6 +107,8 @@ class Controller:
                 if self.fatal:
                     raise RunFailed(self.fatal)
                 async with self.leasing:
+                    if self.pending:  # an event's lease whose publish failed: again, or the controller stops
+                        await self._publish([])
                     await self._lease_window()
                     await self._save()
                 self.wake.clear()
@@ -165,17 +167,16 @@ class Controller:
             return
         self.next_target, self.releases, self.poisoned = saved.next_target, saved.releases, saved.poisoned
         self.leased = await self.state.load_leases()
-        pending = journal.decode(saved.pending)
-        self.leased.update((g.group_id, g) for g in pending)
+        self.pending = journal.decode(saved.pending)
+        self.leased.update((g.group_id, g) for g in self.pending)
         self.lease_seed = saved.lease_seed or self.lease_seed  # a state saved before lease seeds had none
         for entry in self.registry.all():
             entry.cursor.seek(saved.offsets.get(entry.spec.name, 0))
             entry.leased = saved.leased.get(entry.spec.name, 0)
         log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, saved.offsets)
-        if pending:  # saved, maybe published: JetStream drops those it has (journal.py)
-            log.info("publishing again %d groups saved before the last stop", len(pending))
-            await journal.publish(self.bus, self.tracer, pending)
-            await self._save()
+        if self.pending:  # saved, maybe published: JetStream drops those it has (journal.py)
+            log.info("publishing again %d groups saved before the last stop", len(self.pending))
+            await self._publish([])
 
     async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
         """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
@@ -221,10 +222,10 @@ class Controller:
         for group in groups:
             group.leased_at_unix_ns = time.time_ns()
             self.leased[group.group_id] = group
-        self.pending = groups
+        self.pending = [*self.pending, *groups]  # with any whose publish failed before (the run loop retries)
         if self.state is not None:  # the commit point: the groups and the cursors past them, in one put
             await self.state.save(self.snapshot())
-        await journal.publish(self.bus, self.tracer, groups)
+        await journal.publish(self.bus, self.tracer, self.pending)
         self.pending = []
         await self._save()
         for group in groups:
