@@ -425,6 +425,8 @@ async def serve(cfg: FlywheelConfig) -> None:
                           replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
     controller = Controller(cfg, bus, registry, reporting, state)
     await controller.resume()
+    if reporting.validation is not None:
+        await reporting.validation.resume()
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(
