@@ -84,6 +84,8 @@ class Controller:
         """Held from a lease's draw to its publish and over each save (journal.py)."""
         self.pending: list[types_pb2.PromptGroup] = []
         """Groups saved and not yet known to be published (journal.py)."""
+        self.retired: dict[str, int] = {}
+        """Group id -> target step of leases a stale or filtered announcement took back (_retire)."""
 
     @property
     def loaded_version(self) -> int:
@@ -153,7 +155,7 @@ class Controller:
     def snapshot(self) -> RunState:
         entries = self.registry.all()
         return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
-                        poisoned=self.poisoned, pending=journal.encode(self.pending),
+                        poisoned=self.poisoned, pending=journal.encode(self.pending), retired=dict(self.retired),
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
@@ -166,6 +168,7 @@ class Controller:
             await self.state.save(self.snapshot())
             return
         self.next_target, self.releases, self.poisoned = saved.next_target, saved.releases, saved.poisoned
+        self.retired = saved.retired
         self.leased = await self.state.load_leases()
         self.pending = journal.decode(saved.pending)
         self.leased.update((g.group_id, g) for g in self.pending)
@@ -244,6 +247,21 @@ class Controller:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1
         for gid in [gid for gid, g in self.leased.items() if g.target_step < horizon]:
             del self.leased[gid]
+        self.retired = {gid: t for gid, t in self.retired.items() if t >= horizon}
+
+    def _retire(self, gid: str) -> types_pb2.PromptGroup | None:
+        """Takes a group that went stale or was filtered out of the leases, remembering that it was leased: it may be
+        the replacement of a group whose announcement comes again (see _leased_before)."""
+        old = self.leased.pop(gid, None)
+        if old is not None:
+            self.retired[gid] = old.target_step
+        return old
+
+    def _leased_before(self, key: str) -> bool:
+        """Whether the lease for `key` was made already: it is leased, or it was and has been replaced since. A
+        second lease would draw another prompt under the same group id, which JetStream drops: a prompt skipped."""
+        gid = self._group_id(key)
+        return gid in self.leased or gid in self.retired
 
     async def _on_heartbeat(self, msg) -> None:
         hb = types_pb2.RolloutHeartbeat.FromString(msg.data)
@@ -273,9 +291,9 @@ class Controller:
 
     async def _on_stale(self, msg) -> None:
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"again/{gid}") in self.leased:  # announced twice: replaced already
+            if self._leased_before(f"again/{gid}"):  # announced twice: replaced already
                 continue
-            old = self.leased.pop(gid, None)
+            old = self._retire(gid)
             self.releases += 1
             if old is not None:
                 # For the step that is waiting for data: the same prompt, unless its environment left the mix
@@ -291,9 +309,9 @@ class Controller:
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"refill/{gid}") in self.leased:  # announced twice: refilled already
+            if self._leased_before(f"refill/{gid}"):  # announced twice: refilled already
                 continue
-            old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
+            old = self._retire(gid)  # None: forgotten, its step filled from later ones (see _on_stale)
             target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
             self.refills[target] = self.refills.get(target, 0) + 1
             if self.refills[target] > refill_budget(self.cfg.grpo):

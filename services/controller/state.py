@@ -45,6 +45,8 @@ class RunState:
     """Groups poisoned so far (poison.py): a restarted controller goes on counting toward rollout.max_poisoned_groups."""
     pending: dict[str, str] = field(default_factory=dict)
     """Groups saved and maybe not published (journal.py): group id -> serialized PromptGroup (base64)."""
+    retired: dict[str, int] = field(default_factory=dict)
+    """Group id -> target step of leases taken back by a stale or filtered announcement (main.py, _retire)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -251,6 +251,33 @@ def test_a_filtered_report_announced_twice_refills_once_and_counts_once(tmp_path
     assert len(groups) == PER_STEP + 1 and refills == {0: 1} and releases == 1
 
 
+def test_an_announcement_coming_again_after_its_refill_was_itself_refilled_draws_nothing(tmp_path, nats_server):
+    """Group x filtered: refill r. r filtered: refill r2. x's announcement again (its ack died with a controller):
+    r is no longer leased, yet x was refilled already. A new draw would take the next prompt under r's id, which
+    JetStream drops: a prompt skipped. Across a restart too (the taken-back ids are saved with the run state)."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        first = await _controller(cfg, bus)
+        await _serve_versions(first, range(0, 1))
+        x = next(iter(first.leased))
+        await first._on_filtered(_report(x))
+        await first._on_filtered(_report(first._group_id(f"refill/{x}")))
+        await first._save()
+        await bus.close()
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        restarted = await _controller(cfg, bus)
+        offset = restarted.registry.entries["math"].cursor.offset
+        await restarted._on_filtered(_report(x))
+        after = restarted.registry.entries["math"].cursor.offset
+        await bus.close()
+        return offset, after
+
+    offset, after = asyncio.run(go())
+    assert offset == PER_STEP + 2 and after == offset
+
+
 def test_run_state_round_trips_through_the_bucket(nats_server):
     async def go():
         bus = await Bus.connect(nats_server.url, "rt")
