@@ -109,7 +109,7 @@ class Controller:
                 if self.fatal:
                     raise RunFailed(self.fatal)
                 async with self.leasing:
-                    if self.pending:  # an event's lease whose publish failed: again, or the controller stops
+                    if self.pending:  # an event's lease whose publish or record failed: again, or the controller stops
                         await self._publish([])
                     await self._lease_window()
                     await self._save()
@@ -229,13 +229,14 @@ class Controller:
         if self.state is not None:  # the commit point: the groups and the cursors past them, in one put
             await self.state.save(self.snapshot())
         await journal.publish(self.bus, self.tracer, self.pending)
+        if self.state is not None:  # their records first: a group leaves `pending` only once its record is saved
+            await self.state.save_leases(self.leased)
         self.pending = []
         await self._save()
         for group in groups:
             LEASED.labels(group.env_name).inc()
 
     async def _save(self) -> None:
-        """The lease records first: a group leaves `pending` only once its own record is in the bucket."""
         if self.state is not None:
             await self.state.save_leases(self.leased)
             await self.state.save(self.snapshot())
