@@ -438,6 +438,7 @@ async def serve(cfg: FlywheelConfig) -> None:
         await registry.submit(spec_from_config(spec))
     await submit_data(cfg, registry, data)
     state = await StateStore.open(bus.js, cfg.run.name)
+    state.max_payload = bus.nc.max_payload
     await resubmit(registry, state)
     tracker = Tracker(cfg)
     reporting = Reporting(cfg, tracker, await _validation(cfg, data, registry, tracker, state),

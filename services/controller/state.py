@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import VALIDATED, open_state_bucket, read_prefixed
+from services.common.errors import RunFailed
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 
 KEY = "controller"
@@ -63,6 +64,8 @@ class StateStore:
         self.js = js
         self.kv = kv
         self._last = b""
+        self.max_payload = 0
+        """The broker's largest message (Client.max_payload); 0: unchecked. The run state carries a lease's groups."""
         self._stored: set[str] = set()
         """Group ids whose lease is in the bucket."""
 
@@ -127,6 +130,10 @@ class StateStore:
 
     async def save(self, state: RunState) -> None:
         data = state.encode()
+        if self.max_payload and len(data) > self.max_payload:  # every restart would fail the same way
+            raise RunFailed(f"the controller's run state with a lease window's groups is {len(data)} bytes, more than "
+                            f"NATS's max_payload ({self.max_payload}): lower grpo.num_prompts_per_step, shorten the "
+                            f"prompts, or raise nats-server's max_payload")
         if data != self._last:  # most lease windows change nothing
             await self.kv.put(KEY, data)
             self._last = data

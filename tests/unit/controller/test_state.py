@@ -12,6 +12,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from services.common.bus import WORK_DEDUP_WINDOW_S, Bus
 from services.common.config import load_config
+from services.common.errors import RunFailed
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 from services.controller.data import load_data
 from services.controller.datasets import EpochCursor
@@ -389,3 +390,21 @@ def test_a_work_stream_from_before_the_longer_duplicate_window_gets_it_when_a_se
         return before, after
 
     assert asyncio.run(go()) == (120, WORK_DEDUP_WINDOW_S)
+
+
+def test_a_lease_window_too_big_for_one_nats_message_stops_the_run_naming_the_fix(tmp_path, nats_server):
+    """The run state carries a window's groups (write-ahead, journal.py); past NATS's max_payload the put would
+    fail on every restart. The run stops instead, with the reason (RunFailed: `flywheel up` does not restart it)."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        controller.state.max_payload = len(controller.snapshot().encode()) + 100  # less than 3 groups take
+        try:
+            await _serve_versions(controller, range(0, 1))
+        finally:
+            await bus.close()
+
+    with pytest.raises(RunFailed, match="max_payload"):
+        asyncio.run(go())
