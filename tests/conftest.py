@@ -40,3 +40,12 @@ def require_tools(*tools: str) -> None:
 def need_tools():
     """require_tools, for tests."""
     return require_tools
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """The tiny model briefly supervised on tool_add's episodes (tests/tool_demos.py), made once per session:
+    the tool-call tests of the endpoint and of the local stack start from the same one."""
+    from tool_demos import warm_start
+
+    return warm_start(tmp_path_factory.mktemp("tool_model"), steps=180, answer_fraction=1.0)

@@ -16,7 +16,6 @@ reward curve is printed (pytest -s).
 from __future__ import annotations
 
 import pytest
-from tool_demos import warm_start
 
 from services.common.config import load_config
 from services.local import LocalStack
@@ -29,8 +28,8 @@ RISE = 0.08
 PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error
 
 
-def test_the_tool_task_trains_on_the_recorded_tokens_and_its_reward_rises(tmp_path):
-    model = warm_start(tmp_path / "warm", steps=180, answer_fraction=1.0)
+def test_the_tool_task_trains_on_the_recorded_tokens_and_its_reward_rises(tmp_path, tool_model):
+    model = tool_model
     cfg = load_config(None, [
         f"policy.model_name={model}", "policy.max_total_sequence_length=256", "policy.generation.max_new_tokens=80",
         "policy.generation.tool_parser=hermes", "policy.train_micro_batch_size=64",

@@ -12,7 +12,6 @@ import pytest
 import pytest_asyncio
 from engine_harness import Trainer
 from openai import AsyncOpenAI
-from tool_demos import warm_start
 
 from services.common.config import load_config
 from services.common.modeling import load_policy
@@ -26,8 +25,8 @@ SAMPLES = 8
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(tmp_path_factory):
-    model_dir = warm_start(tmp_path_factory.mktemp("warm"), steps=180, answer_fraction=1.0)
+async def served(tool_model):
+    model_dir = tool_model
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
                              "policy.max_total_sequence_length=256", "policy.generation.max_new_tokens=80",
                              "policy.generation.tool_parser=hermes"])
