@@ -35,6 +35,7 @@ RUNNER = Path(__file__).with_name("verifiers_runner.py")
 DEFAULT_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
 TASK_KEY = "verifiers_task"  # where a Flywheel prompt row keeps the verifiers TaskData
 ROWS_TIMEOUT_S = 300.0
+REAP_S = 5.0
 
 
 def env_config(spec: dict) -> dict:
@@ -135,9 +136,14 @@ class VerifiersAgent(Agent):
 
 
 async def kill_group(proc: asyncio.subprocess.Process) -> None:
-    """Kill whatever the runner left in its process group (a harness or tool server it did not reap), then reap it."""
+    """Kill whatever the runner left in its process group (a harness, a tool server, a program its rubric ran),
+    then reap it. The wait is bounded: a process that left the group (setsid) may hold the runner's pipes open,
+    and asyncio's wait() waits for them too; the episode is over either way."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    await proc.wait()
+    try:
+        await asyncio.wait_for(proc.wait(), REAP_S)
+    except TimeoutError:
+        pass

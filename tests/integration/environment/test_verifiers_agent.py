@@ -30,6 +30,7 @@ from engine_harness import Trainer, policy  # noqa: E402
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DEFAULT_PYTHON.exists(), reason="no .venv-verifiers: run `make verifiers`")]
 HERE = Path(__file__).parent
+HANG_S = 601.25
 SPEC = {"env": {"taskset": {"id": "verifiers_add_env", "n": 2},
                 "agent": {"harness": {"id": "null"}, "max_turns": 2}},
         "pythonpath": [str(HERE)]}
@@ -125,19 +126,21 @@ async def test_a_nan_reward_is_an_agent_error(endpoint, rows):
 
 
 def env_processes() -> list[psutil.Process]:
-    """The runner and the env's tool server (`python -m verifiers_add_env`), by their command lines."""
+    """The runner, the env's tool server (`python -m verifiers_add_env`) and the program its hung rubric runs
+    (`sleep 601.25`, which does not die with its parent), by their command lines."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
-        if "verifiers_runner.py" in line or "-m verifiers_add_env" in line:
+        if "verifiers_runner.py" in line or "-m verifiers_add_env" in line or line == f"sleep {HANG_S}":
             found.append(p)
     return found
 
 
 @ASYNC
+@pytest.mark.timeout(300)
 async def test_the_deadline_kills_the_episode_and_what_it_started(endpoint, rows):
     server, _ = endpoint
-    key, episode = episode_of(server, with_task(rows[0], hang_s=600.0), deadline_s=40.0)
+    key, episode = episode_of(server, with_task(rows[0], hang_s=HANG_S), deadline_s=40.0)
     with pytest.raises(AgentError, match="deadline"):
         await VerifiersAgent(SPEC).run(episode)
     server.close_episode(key)

@@ -50,8 +50,9 @@ class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
     async def correct(self, task: AddData, trace: vf.Trace) -> float:
         if task.crash:
             raise RuntimeError("the rubric crashed")
-        if task.hang_s:
-            await asyncio.sleep(task.hang_s)
+        if task.hang_s:  # as a rubric that runs a program (a test suite, a checker) and it hangs
+            proc = await asyncio.create_subprocess_exec("sleep", str(task.hang_s))
+            await proc.wait()
         return float("nan") if task.nan else float(last_number(last_reply(trace)) == task.a + task.b)
 
     @vf.metric
