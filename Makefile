@@ -11,7 +11,7 @@ VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
 .PHONY: setup up test proto lint gpu-check verifiers
 
-setup: $(STAMP) $(VERIFIERS_STAMP)
+setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)
@@ -36,7 +36,7 @@ up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
 
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
-test: setup
+test: setup $(VERIFIERS_STAMP)
 	tests/with_system_tools.sh $(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.

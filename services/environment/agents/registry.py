@@ -16,6 +16,7 @@ from services.environment.agents import Agent
 
 KINDS: dict[str, str] = {
     "program": "services.environment.agents.program:ProgramAgent",
+    "verifiers": "services.environment.agents.verifiers_agent:VerifiersAgent",
 }
 """Agent type -> "module:Class"."""
 

@@ -107,12 +107,19 @@ class VerifiersAgent(Agent):
     model call to the episode's endpoint, and returns the task rubric's reward (weighted sum of its @vf.reward
     functions) with its metrics and each reward component (`reward/<name>`)."""
 
-    def __init__(self, spec: dict) -> None:
-        if not isinstance(spec.get("env"), dict) or not spec["env"].get("taskset", {}).get("id"):
+    def __init__(self, *, env: dict, python: str | None = None, pythonpath: list[str] | None = None,
+                 sampling: dict | None = None) -> None:
+        """The agent spec's fields (registry.py): `env`, verifiers' own env config; `python`, its venv's
+        interpreter; `pythonpath`, folders of the environment's modules; `sampling`, extra sampling args."""
+        if not isinstance(env, dict) or not env.get("taskset", {}).get("id"):
             raise ValueError("a verifiers agent needs env.taskset.id (the taskset module)")
+        spec = {"env": env, "python": python, "pythonpath": pythonpath or [], "sampling": sampling or {}}
         self.spec = spec
         self._env = env_config(spec)
-        runner_command(spec)  # a missing venv fails at submission, not at the first episode
+        try:
+            runner_command(spec)  # a missing venv fails at submission, not at the first episode
+        except AgentError as err:
+            raise ValueError(str(err)) from None
 
     async def run(self, episode: AgentEpisode) -> AgentResult:
         data = episode.task.get(TASK_KEY)

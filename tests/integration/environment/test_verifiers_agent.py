@@ -91,7 +91,7 @@ def test_rows_are_the_taskset_as_prompts(rows):
 async def test_episode_calls_the_endpoint_and_scores_with_the_rubric(endpoint, rows):
     server, tokenizer = endpoint
     key, episode = episode_of(server, rows[1])
-    result = await VerifiersAgent(SPEC).run(episode)
+    result = await VerifiersAgent(**SPEC).run(episode)
     trajectory = server.close_episode(key)
 
     assert trajectory.samples and trajectory.calls >= 1
@@ -112,7 +112,7 @@ async def test_a_crashing_rubric_is_an_agent_error(endpoint, rows):
     server, _ = endpoint
     key, episode = episode_of(server, with_task(rows[0], crash=True))
     with pytest.raises(AgentError, match="the rubric crashed"):
-        await VerifiersAgent(SPEC).run(episode)
+        await VerifiersAgent(**SPEC).run(episode)
     server.close_episode(key)
 
 
@@ -121,7 +121,7 @@ async def test_a_nan_reward_is_an_agent_error(endpoint, rows):
     server, _ = endpoint
     key, episode = episode_of(server, with_task(rows[0], nan=True))
     with pytest.raises(AgentError, match="malformed reward"):
-        await VerifiersAgent(SPEC).run(episode)
+        await VerifiersAgent(**SPEC).run(episode)
     server.close_episode(key)
 
 
@@ -142,7 +142,7 @@ async def test_the_deadline_kills_the_episode_and_what_it_started(endpoint, rows
     server, _ = endpoint
     key, episode = episode_of(server, with_task(rows[0], hang_s=HANG_S), deadline_s=40.0)
     with pytest.raises(AgentError, match="deadline"):
-        await VerifiersAgent(SPEC).run(episode)
+        await VerifiersAgent(**SPEC).run(episode)
     server.close_episode(key)
     for _ in range(50):  # SIGKILL is sent; the kernel takes a moment to tear the processes down
         if not [p for p in env_processes() if p.status() != psutil.STATUS_ZOMBIE]:
@@ -153,4 +153,4 @@ async def test_the_deadline_kills_the_episode_and_what_it_started(endpoint, rows
 
 def test_a_missing_taskset_id_is_refused():
     with pytest.raises(ValueError, match="taskset.id"):
-        VerifiersAgent({"env": {"taskset": {}}})
+        VerifiersAgent(env={"taskset": {}})

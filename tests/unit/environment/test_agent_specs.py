@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from services.common.config import load_config
@@ -61,3 +63,15 @@ def test_the_last_line_is_the_result_and_anything_else_is_a_malformed_reward():
         with pytest.raises(AgentError) as err:
             parse_result(bad)
         assert err.value.reason == "malformed_reward"
+
+
+def test_the_registry_builds_a_verifiers_agent_from_its_spec_fields_and_refuses_unknown_ones():
+    from services.environment.agents.verifiers_agent import VerifiersAgent
+
+    env = {"taskset": {"id": "some_taskset"}}
+    agent = make_agent({"type": "verifiers", "env": env, "python": sys.executable})
+    assert isinstance(agent, VerifiersAgent) and agent.spec["env"] == env
+    with pytest.raises(UnknownAgent, match="verifiers"):
+        make_agent({"type": "verifiers", "env": env, "python": sys.executable, "bogus": 1})
+    with pytest.raises(UnknownAgent, match="not found"):
+        make_agent({"type": "verifiers", "env": env, "python": "/nonexistent/python"})
