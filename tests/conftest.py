@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
+from needs import require_tools
 from services.common.infra import Server, start_nats, start_redis
 
 
@@ -24,19 +22,7 @@ def redis_server(tmp_path) -> Server:
     server.stop()
 
 
-def require_tools(*tools: str) -> None:
-    """Skip unless every named tool is on PATH. `make test` installs them (tests/with_system_tools.sh); under
-    CI (FLYWHEEL_CI=1) a missing tool fails instead, so a set-up gap cannot hide as a skip."""
-    missing = [t for t in tools if not shutil.which(t)]
-    if not missing:
-        return
-    message = f"not installed: {', '.join(missing)}"
-    if os.environ.get("FLYWHEEL_CI") == "1":
-        pytest.fail(f"{message} (make test installs them: tests/with_system_tools.sh)")
-    pytest.skip(message)
-
-
 @pytest.fixture
 def need_tools():
-    """require_tools, for tests."""
+    """require_tools (tests/needs.py), for tests: a missing tool skips, and fails under FLYWHEEL_CI=1."""
     return require_tools
