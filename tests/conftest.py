@@ -1,11 +1,22 @@
-"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test; tool checks."""
+"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test; the default ports held for
+the whole session (tests/ports.py); tool checks."""
 
 from __future__ import annotations
 
 import pytest
 
 from needs import require_tools
+from ports import default_ports, hold
 from services.common.infra import Server, start_nats, start_redis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_ports_held():
+    """A test that binds or dials a default port fails here, not only when another suite shares the host."""
+    held = hold(default_ports())
+    yield
+    for sock in held:
+        sock.close()
 
 
 @pytest.fixture
