@@ -1,13 +1,22 @@
-"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test; tool checks."""
+"""Shared fixtures: real NATS and Redis servers on free loopback ports, one per test; the default ports held for
+the whole session (tests/ports.py); tool checks."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
+from needs import require_tools
+from ports import default_ports, hold
 from services.common.infra import Server, start_nats, start_redis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_ports_held():
+    """A test that binds or dials a default port fails here, not only when another suite shares the host."""
+    held = hold(default_ports())
+    yield
+    for sock in held:
+        sock.close()
 
 
 @pytest.fixture
@@ -24,21 +33,9 @@ def redis_server(tmp_path) -> Server:
     server.stop()
 
 
-def require_tools(*tools: str) -> None:
-    """Skip unless every named tool is on PATH. `make test` installs them (tests/with_system_tools.sh); under
-    CI (FLYWHEEL_CI=1) a missing tool fails instead, so a set-up gap cannot hide as a skip."""
-    missing = [t for t in tools if not shutil.which(t)]
-    if not missing:
-        return
-    message = f"not installed: {', '.join(missing)}"
-    if os.environ.get("FLYWHEEL_CI") == "1":
-        pytest.fail(f"{message} (make test installs them: tests/with_system_tools.sh)")
-    pytest.skip(message)
-
-
 @pytest.fixture
 def need_tools():
-    """require_tools, for tests."""
+    """require_tools (tests/needs.py), for tests: a missing tool skips, and fails under FLYWHEEL_CI=1."""
     return require_tools
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from needs import require
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -16,8 +18,7 @@ def slurm_cluster(tmp_path_factory, need_tools):
     """munged, slurmctld and four slurmd (logical nodes n1..n4) on this host; yields the env to use it. Four: a job
     that starts the reward-model server has four het components, and Slurm gives each a node of its own."""
     need_tools("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
-    if os.geteuid() != 0:
-        pytest.skip("the throwaway Slurm cluster runs its daemons as root")
+    require(os.geteuid() == 0, "the throwaway Slurm cluster runs its daemons as root")
     state = tmp_path_factory.mktemp("slurm")
     script = HERE / "slurm_cluster.sh"
     run = subprocess.run(["bash", str(script), "start", str(state), "4"], capture_output=True, text=True,

@@ -1,13 +1,16 @@
 """The chaos harness (chaos.py) in its bounded CI form: one 60-step run in which every process of the run is
 killed with SIGKILL once (the trainer resuming from its checkpoint) and three are paused past the liveness
-window, each at a seeded random step; the run must finish with reward rising and the ledger balanced."""
+window, each at a seeded random step; the run must finish with reward rising and the ledger balanced.
+
+Each fault is checked as /proc saw it (faults.py), not as the schedule meant it: the killed pid died and a new
+process with its command line ran; the paused one was stopped (state T) through its pause. The ledger reads
+JetStream's and Redis's own state (oracles.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from chaos import KILLED, PAUSED, reward_rose, run_chaos
-from services.local import read_restarts
 
 STEPS = 60
 SEED = 7
@@ -16,11 +19,16 @@ SEED = 7
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_every_process_killed_once_and_three_paused_and_the_ledger_balances(tmp_path):
-    faults, ledger = run_chaos(tmp_path, STEPS, SEED)
+    observed, ledger = run_chaos(tmp_path, STEPS, SEED)
 
-    assert sorted(f.target for f in faults if f.action == "kill") == sorted(KILLED)
-    assert sorted(f.target for f in faults if f.action == "pause") == sorted(PAUSED)
-    assert {r["service"] for r in read_restarts(tmp_path)} >= set(KILLED), "the supervisor restarted each"
-    assert ledger.trained == STEPS * 16 and ledger.published > 0
+    kills = {o.fault.target: o for o in observed if o.fault.action == "kill"}
+    pauses = {o.fault.target: o for o in observed if o.fault.action == "pause"}
+    assert sorted(kills) == sorted(KILLED) and sorted(pauses) == sorted(PAUSED)
+    for target, o in kills.items():
+        assert o.died, f"{target} (pid {o.pid}) still ran after SIGKILL"
+        assert o.successor not in (None, o.pid), f"no new {target} process ran after the kill"
+    for target, o in pauses.items():
+        assert o.stopped, f"{target} (pid {o.pid}) was not stopped through its pause, or did not run again"
+    assert ledger.trained == STEPS * 16 and ledger.published > 0 and ledger.stored >= ledger.published
     first, last = reward_rose(tmp_path)
     assert last >= 0.15 and last >= 2 * first, f"reward did not rise: first 10 {first:.3f}, last 10 {last:.3f}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import require_module
 from transformers import AutoModelForCausalLM
 
 from services.common.config import load_config
@@ -70,7 +71,7 @@ def _greedy(model_dir: Path) -> tuple[list[int], list[float]]:
 
 @pytest.mark.slow
 def test_vllm_serves_the_exported_adapter_as_the_merged_model(tmp_path):
-    pytest.importorskip("vllm")
+    require_module("vllm")
     _train_and_save(tmp_path)
     checkpoints = tmp_path / "checkpoints"
     export_checkpoint(checkpoints / "step_0", tmp_path / "base")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import require_module
 from transformers import AutoModelForCausalLM
 
 from services.common.config import load_config
@@ -43,7 +44,7 @@ def _save_checkpoint(run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_vllm_loads_an_export_and_agrees_with_transformers(tmp_path):
-    pytest.importorskip("vllm")
+    require_module("vllm")
     _save_checkpoint(tmp_path)
     export_checkpoint(tmp_path / "checkpoints", tmp_path / "hf")
     run = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(tmp_path / "hf"), json.dumps(PROMPT)],

@@ -4,6 +4,7 @@ onto the keys Flywheel's trainers read; the schedule is checked against Megatron
 from pathlib import Path
 
 import pytest
+from needs import require_module
 
 from services.common.config import ConfigError, load, load_config
 
@@ -64,8 +65,8 @@ def test_activation_checkpointing_and_clip_grad_move_to_the_keys_the_trainers_re
 def test_the_schedule_follows_megatron_cores_own_scheduler(style, warmup, decay):
     """The oracle is megatron-core's OptimizerParamScheduler, stepped once per step as NeMo RL's Megatron worker
     steps it; Flywheel builds the policy.scheduler list with torch's schedulers (services/trainer/optim.py)."""
-    torch = pytest.importorskip("torch")
-    scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    torch = require_module("torch")
+    scheduler = require_module("megatron.core.optimizer_param_scheduler")
     from services.trainer.optim import build_optimizer, build_scheduler
 
     cfg = load_config(MEGATRON, [*EDITS, f"policy.megatron_cfg.scheduler.lr_decay_style={style}",

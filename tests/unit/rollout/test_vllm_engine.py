@@ -4,8 +4,9 @@ tests/integration/rollout/."""
 
 from __future__ import annotations
 
-import importlib
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +19,14 @@ from services.rollout.engines import Sampling
 
 
 def test_importing_the_backend_imports_no_vllm():
-    had = "vllm" in sys.modules
-    importlib.import_module("services.rollout.engines.vllm")
-    importlib.import_module("services.rollout.engines.vllm_worker")
-    assert had or "vllm" not in sys.modules  # the rollout image imports vllm only when it builds the engine
+    """In a fresh interpreter: in this one an earlier test may have imported vllm already. The rollout image
+    imports vllm only when it builds the engine."""
+    code = ("import sys, services.rollout.engines.vllm, services.rollout.engines.vllm_worker\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("arch,precision,overrides", [

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from needs import require_module
 from transformers import LlamaConfig
 from trainer_harness import run_ranks
 
-pytest.importorskip("megatron.core")
+require_module("megatron.core")
 from megatron.core import parallel_state  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402

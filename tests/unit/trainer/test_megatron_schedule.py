@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import require_module
 from test_megatron_build import hf_model, one_rank, policy  # noqa: F401 (one_rank is a fixture)
 
-pytest.importorskip("megatron.core")
+require_module("megatron.core")
 from megatron.core.optimizer import _get_param_groups  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 

@@ -1,0 +1,121 @@
+"""Faults for the chaos run (kill -9, SIGSTOP/SIGCONT) and what /proc says each one did.
+
+The schedule says what the harness meant to do; `inject` returns what the kernel shows happened, read from
+/proc rather than from the supervisor: the killed process is gone (or a zombie awaiting its reaper) and a new
+process with its command line runs as a child of this one; the paused one was in state T (stopped) from just
+after SIGSTOP to just before SIGCONT, and ran again after.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PAUSE_S = 6.0
+"""Longer than the trainer's liveness window (5 s): a paused worker is dropped from the sync and rejoins."""
+RESTART_WITHIN_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    step: int
+    """Steps the trainer has finished when the fault lands."""
+    action: str
+    """"kill" (SIGKILL) or "pause" (SIGSTOP, SIGCONT after PAUSE_S)."""
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    fault: Fault
+    pid: int
+    """The process the fault hit."""
+    died: bool = False
+    """kill: /proc/<pid> vanished or turned zombie after SIGKILL."""
+    successor: int | None = None
+    """kill: a live child of this process with the killed one's command line, found in /proc."""
+    stopped: bool = False
+    """pause: state T just after SIGSTOP and still at the end of the pause, not T after SIGCONT."""
+
+    @property
+    def happened(self) -> bool:
+        if self.fault.action == "kill":
+            return self.died and self.successor not in (None, self.pid)
+        return self.stopped
+
+
+def state(pid: int) -> str | None:
+    """The one-letter state of /proc/<pid>/stat (R, S, T, Z, ...); None once the pid is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]  # the command name may hold spaces and parentheses
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def _identity(argv: list[str]) -> tuple:
+    """What a restart keeps: a service's whole command line; a broker's binary and port (its monitor port is new)."""
+    if "serve" in argv:
+        return tuple(argv)
+    for flag in ("-p", "--port"):
+        if flag in argv:
+            return os.path.basename(argv[0]), argv[argv.index(flag) + 1]
+    return tuple(argv)
+
+
+def _successor(killed: int, identity: tuple) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != killed and _parent(int(entry.name)) == os.getpid():
+            pid = int(entry.name)
+            if state(pid) not in (None, "Z") and _identity(_argv(pid)) == identity:
+                return pid
+    return None
+
+
+def _until(check, timeout_s: float, every_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    return check()
+
+
+def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: float = RESTART_WITHIN_S) -> Observed:
+    """Apply `fault` to the stack's child `fault.target`; for a kill, supervise until its successor runs."""
+    pid = stack.children.procs[fault.target].pid
+    if fault.action == "kill":
+        identity = _identity(_argv(pid))
+        os.kill(pid, signal.SIGKILL)
+        died = bool(_until(lambda: state(pid) in (None, "Z"), 10))
+
+        def restarted() -> int | None:
+            stack.children.supervise()  # reaps the zombie, restarts after the back-off
+            return _successor(pid, identity)
+
+        return Observed(fault=fault, pid=pid, died=died, successor=_until(restarted, restart_within_s, 0.2))
+    os.killpg(pid, signal.SIGSTOP)  # the service's whole process group (vLLM's engine core included)
+    stopped = bool(_until(lambda: state(pid) == "T", 5))
+    time.sleep(pause_s)
+    stopped = stopped and state(pid) == "T"
+    os.killpg(pid, signal.SIGCONT)
+    resumed = bool(_until(lambda: state(pid) not in ("T", None), 5))
+    return Observed(fault=fault, pid=pid, stopped=stopped and resumed)
