@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from loss_parity import assert_matches
 
 from services.trainer.algorithms import NLLInputs, nll_loss
 from services.trainer.algorithms.metrics import combine_metrics
@@ -74,14 +75,6 @@ def expected(logprobs, data):
     loss, metrics = reference(leaf, data)
     (grad,) = torch.autograd.grad(loss, leaf)
     return loss, grad, metrics
-
-
-def assert_matches(got, want, what=""):
-    (loss, grad, metrics), (ref_loss, ref_grad, ref_metrics) = got, want
-    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-9,
-                               msg=lambda m: f"{what} {m}")
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"{what} grad {m}")
-    assert metrics == pytest.approx(ref_metrics, rel=1e-6, abs=1e-9), what
 
 
 @pytest.mark.parametrize("masks", MASKS)
