@@ -9,9 +9,14 @@ STAMP := $(VENV)/.installed
 VERIFIERS_VENV := .venv-verifiers
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
-.PHONY: setup up test proto lint gpu-check verifiers
+.PHONY: setup up test proto lint gpu-check verifiers gym-venv
 
-setup: $(STAMP)
+setup: $(STAMP) gym-venv
+
+# NeMo Gym (Python >= 3.12, Ray, hydra, mlflow) in its own venv, .venv-gym: agents start its servers as
+# subprocesses and Flywheel never imports it (docs/agents.md, "NeMo Gym"). A no-op once installed.
+gym-venv:
+	deploy/gym/setup_venv.sh
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)

@@ -12,7 +12,7 @@ find_python() {
     for candidate in "${GYM_PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python" \
                      "$HOME/.pyenv/versions/3.12.1/bin/python"; do
         [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
-        "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' && { echo "$candidate"; return; }
+        "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null && { echo "$candidate"; return; }
     done
     echo "no Python >= 3.12 found (set GYM_PYTHON)" >&2; return 1
 }
