@@ -50,6 +50,13 @@ class NemoGymSpec:
     """Extra NeMo Gym global config (`key=value` on ng_run's command line)."""
     startup_s: float = 300.0
 
+    @classmethod
+    def from_nemo_rl(cls, nemo_gym: dict, **kwargs) -> NemoGymSpec:
+        """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config): `config_paths`, and the rest as NeMo Gym
+        overrides, less the keys only NeMo RL reads."""
+        overrides = {k: v for k, v in nemo_gym.items() if k not in ("config_paths", "is_trajectory_collection")}
+        return cls(config_paths=list(nemo_gym["config_paths"]), overrides=overrides, **kwargs)
+
 
 class NemoGymAgent(Agent):
     """One `ng_run` (its servers started once by `start()`) serving many concurrent episodes."""
@@ -89,7 +96,7 @@ class NemoGymAgent(Agent):
                   "skip_venv_if_present": True, "uv_venv_dir": str(self.workdir / "venvs"),
                   "head_server": {"host": "127.0.0.1", "port": head}, "default_host": "127.0.0.1",
                   **self.spec.overrides}
-        return [f"++{k}={_hydra(v)}" for k, v in values.items()]
+        return [f"++{k}={_hydra(v)}" for k, v in _flatten(values).items()]
 
     async def _wait_ready(self, head_url: str) -> None:
         """Until every server ng_run started answers HTTP (as NeMo Gym's own spin-up check does)."""
@@ -265,6 +272,17 @@ def _link_server_venvs(venv: Path, root: Path) -> None:
                 link = root / kind / server.name / ".venv"
                 if not link.exists():
                     link.symlink_to(venv.resolve())
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    """Nested mappings as dotted keys, so an override sets its leaves and keeps the config's siblings."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _hydra(value) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from engine_harness import Trainer, policy  # noqa: E402
@@ -29,8 +30,8 @@ from services.rollout.engines import make_engine  # noqa: E402
 VENV = Path(__file__).parents[3] / ".venv-gym"
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(not (VENV / "bin" / "ng_run").exists(), reason="no .venv-gym: run `make setup`")]
-NEMO_RL = ["responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
-           "resources_servers/example_tool_call_multireward/configs/example_tool_call_multireward.yaml"]
+# NeMo RL's example at commit 7ea279a, as fetched: its env.nemo_gym is what NeMo RL hands NeMo Gym.
+NEMO_RL = Path(__file__).parents[2] / "fixtures" / "nemo_rl" / "gdpo_example_tool_call_multireward.yaml"
 EQUIVALENCE = "resources_servers/equivalence_rule/configs/lc.yaml"
 # The tiny model writes letters at random: any of them scores above zero under seq_match against this.
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -61,8 +62,10 @@ async def endpoint():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gym():
-    agent = NemoGymAgent(NemoGymSpec(config_paths=[*NEMO_RL, EQUIVALENCE], venv=VENV, overrides={
-        "lc_equivalence_rule.resources_servers.equivalence_rule.grading_rule": "seq_match"}))
+    spec = NemoGymSpec.from_nemo_rl(yaml.safe_load(NEMO_RL.read_text())["env"]["nemo_gym"], venv=VENV)
+    spec.config_paths.append(EQUIVALENCE)
+    spec.overrides["lc_equivalence_rule"] = {"resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}}
+    agent = NemoGymAgent(spec)
     await agent.start()
     yield agent
     await agent.close()
