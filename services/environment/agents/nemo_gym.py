@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -213,6 +214,7 @@ class NemoGymAgent(Agent):
             await self.runner.cleanup()
         if self.http is not None:
             await self.http.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def to_result(verified: dict, row: dict) -> AgentResult:
