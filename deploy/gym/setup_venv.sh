@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Makes .venv-gym: NeMo Gym in its own interpreter and venv. nemo-gym needs Python >= 3.12 and brings Ray, hydra
-# and mlflow, none of which Flywheel imports; Flywheel only starts its servers as subprocesses (docs/agents.md).
+# Makes .venv-gym: NeMo Gym in its own interpreter and venv. nemo-gym needs Python >= 3.12 and brings Ray,
+# hydra and mlflow, none of which Flywheel imports; Flywheel only starts its servers as subprocesses
+# (docs/agents.md, "NeMo Gym").
 # Idempotent: a stamp names the version installed, so a second run is a no-op.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,7 +13,8 @@ find_python() {
     for candidate in "${GYM_PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python" \
                      "$HOME/.pyenv/versions/3.12.1/bin/python"; do
         [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
-        "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null && { echo "$candidate"; return; }
+        "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null \
+            && { echo "$candidate"; return; }
     done
     echo "no Python >= 3.12 found (set GYM_PYTHON)" >&2; return 1
 }

@@ -1,15 +1,16 @@
 """NeMo Gym environments as Flywheel agents (docs/agents.md, "NeMo Gym").
 
-NeMo Gym runs as NeMo Gym runs itself: `ng_run` from its own venv (`.venv-gym`, Python 3.12, with Ray, hydra and
-mlflow, none of which Flywheel imports) starts its head, model, resources and agent servers once. Per episode we POST
-the task row to the agent server's `/run`; NeMo Gym's agent calls its model server, the resources server's tools,
-then `/verify`, whose `reward` is the episode's reward and whose other numbers are its metrics.
+NeMo Gym runs as NeMo Gym runs itself: `ng_run` from its own venv (`.venv-gym`, Python 3.12, with Ray, hydra
+and mlflow, none of which Flywheel imports) starts its head, model, resources and agent servers once. Per
+episode we POST the task row to the agent server's `/run`; NeMo Gym's agent calls its model server, the
+resources server's tools, then `/verify`, whose `reward` is the episode's reward and whose other numbers are
+its metrics.
 
-NeMo Gym's model server (`vllm_model`) has one fixed `base_url` and `api_key`, but every Flywheel episode has its own
-session URL and token. So the model server points at a pass-through we run here, and each episode's
-`responses_create_params.metadata` carries an opaque episode id, which `vllm_model` forwards to chat completions
-untouched; the pass-through swaps it for that episode's URL and token. The token never enters NeMo Gym, and a call
-for an episode that has ended finds no route (404) and never reaches another episode.
+NeMo Gym's model server (`vllm_model`) has one fixed `base_url` and `api_key`, but every Flywheel episode has
+its own session URL and token. So the model server points at a pass-through we run here, and each episode's
+`responses_create_params.metadata` carries an opaque episode id, which `vllm_model` forwards to chat
+completions untouched; the pass-through swaps it for that episode's URL and token. The token never enters NeMo
+Gym, and a call for an episode that has ended finds no route (404) and never reaches another episode.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class NemoGymSpec:
 
     config_paths: list[str]
     agent: str | None = None
-    """The agent server's config name (NeMo Gym's `agent_ref.name`); default: a row's `agent_ref`, else the only one."""
+    """The agent server's config name (NeMo Gym's `agent_ref.name`); default: the row's `agent_ref`, else the
+    only agent."""
     venv: Path = field(default_factory=lambda: Path(os.environ.get("FLYWHEEL_GYM_VENV", REPO / ".venv-gym")))
     overrides: dict[str, object] = field(default_factory=dict)
     """Extra NeMo Gym global config (`key=value` on ng_run's command line)."""
@@ -53,9 +55,10 @@ class NemoGymSpec:
 
     @classmethod
     def from_nemo_rl(cls, nemo_gym: dict, **kwargs) -> NemoGymSpec:
-        """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config): `config_paths`, and the rest as NeMo Gym
-        overrides, less the keys only NeMo RL reads."""
-        overrides = {k: v for k, v in nemo_gym.items() if k not in ("config_paths", "is_trajectory_collection")}
+        """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config): `config_paths`, and the rest as NeMo
+        Gym overrides, less the keys only NeMo RL reads."""
+        nemo_rl_only = ("config_paths", "is_trajectory_collection")
+        overrides = {k: v for k, v in nemo_gym.items() if k not in nemo_rl_only}
         return cls(config_paths=list(nemo_gym["config_paths"]), overrides=overrides, **kwargs)
 
 
@@ -92,8 +95,8 @@ class NemoGymAgent(Agent):
         _link_server_venvs(self.spec.venv, self.workdir / "venvs")
         values = {"config_paths": list(self.spec.config_paths), "policy_base_url": proxy_url,
                   "policy_api_key": self.key, "policy_model_name": "policy",
-                  # Each server runs in .venv-gym (linked per server): ng_run would otherwise build a uv venv per
-                  # server from the index at every start.
+                  # Each server runs in .venv-gym (linked per server): ng_run would otherwise build a uv
+                  # venv per server from the index at every start.
                   "skip_venv_if_present": True, "uv_venv_dir": str(self.workdir / "venvs"),
                   "head_server": {"host": "127.0.0.1", "port": head}, "default_host": "127.0.0.1",
                   **self.spec.overrides}
@@ -107,7 +110,8 @@ class NemoGymAgent(Agent):
             instances = await self._get_json(f"{head_url}/server_instances")
             if instances and all([await self._answers(i["url"]) for i in instances]):
                 self.servers = {i["process_name"]: i["url"] for i in instances}
-                self.agents = [i["process_name"] for i in instances if i["server_type"] == "responses_api_agents"]
+                self.agents = [i["process_name"] for i in instances
+                               if i["server_type"] == "responses_api_agents"]
                 return
             await asyncio.sleep(1.0)
 
@@ -185,8 +189,8 @@ class NemoGymAgent(Agent):
             log.warning("NeMo Gym model call for no open episode (%s)", request.path)
             return _error(404, "session_not_found", "no open Flywheel episode for this call")
         body["model"] = episode.model
-        # The endpoint then puts NeMo Gym's token fields on the message, so NeMo Gym's vllm_model takes them as
-        # they are instead of asking vLLM's /tokenize (which the endpoint does not serve) for the prompt's ids.
+        # The endpoint then puts NeMo Gym's token fields on the message, so NeMo Gym's vllm_model takes them
+        # as they are instead of asking vLLM's /tokenize (which the endpoint does not serve) for the prompt.
         body.setdefault("return_token_ids", True)
         if not metadata:
             body.pop("metadata", None)
@@ -218,7 +222,8 @@ class NemoGymAgent(Agent):
 
 
 def to_result(verified: dict, row: dict) -> AgentResult:
-    """/verify's answer: `reward`, and as metrics its other top-level numbers that the task row did not bring."""
+    """/verify's answer: `reward`, and as metrics its other top-level numbers that the task row did not
+    bring."""
     reward = verified.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise AgentError(f"NeMo Gym /verify gave a malformed reward: {reward!r}")
@@ -232,15 +237,16 @@ def _is_number(v) -> bool:
 
 
 def read_tasks(path: str | Path) -> list[dict]:
-    """NeMo Gym task rows (jsonl with `responses_create_params`) as Flywheel prompt rows: the chat `messages` and
-    `tools` the controller and logs read, and the untouched NeMo Gym row under `nemo_gym`, which is what /run gets."""
+    """NeMo Gym task rows (jsonl with `responses_create_params`) as Flywheel prompt rows: the chat `messages`
+    and `tools` the controller and logs read, and the untouched NeMo Gym row under `nemo_gym`, which is what
+    /run gets."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             params = row["responses_create_params"]
-            rows.append({"messages": _messages(params), "tools": [_chat_tool(t) for t in params.get("tools") or []],
-                         "nemo_gym": row})
+            tools = [_chat_tool(t) for t in params.get("tools") or []]
+            rows.append({"messages": _messages(params), "tools": tools, "nemo_gym": row})
     return rows
 
 

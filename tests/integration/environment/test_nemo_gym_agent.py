@@ -1,10 +1,11 @@
-"""NeMo Gym's own servers, from the `nemo-gym` package in `.venv-gym`, run episodes against Flywheel's endpoint.
+"""NeMo Gym's own servers, from the `nemo-gym` package in `.venv-gym`, run episodes on Flywheel's endpoint.
 
 ng_run starts NeMo RL's `gdpo_example_tool_call_multireward.yaml` servers (`vllm_model_for_training` and
-`example_tool_call_multireward` with its `simple_agent`) plus `equivalence_rule` (a dense text-similarity reward,
-so the tiny model's answers score above zero). The endpoint serves the tiny model through the hf engine, as in
-tests/integration/rollout/test_endpoint.py. Oracles: the endpoint's own recording of each episode, and the reward
-NeMo Gym's resources server gives when this test calls its /verify with the recorded answer.
+`example_tool_call_multireward` with its `simple_agent`) plus `equivalence_rule` (a dense text-similarity
+reward, so the tiny model's answers score above zero). The endpoint serves the tiny model through the hf
+engine, as in tests/integration/rollout/test_endpoint.py. Oracles: the endpoint's own recording of each
+episode, and the reward NeMo Gym's resources server gives when this test calls its /verify with the recorded
+answer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from services.rollout.engines import make_engine  # noqa: E402
 
 VENV = Path(__file__).parents[3] / ".venv-gym"
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
-              pytest.mark.skipif(not (VENV / "bin" / "ng_run").exists(), reason="no .venv-gym: run `make setup`")]
+              pytest.mark.skipif(not (VENV / "bin" / "ng_run").exists(),
+                                 reason="no .venv-gym: run `make setup`")]
 # NeMo RL's example at commit 7ea279a, as fetched: its env.nemo_gym is what NeMo RL hands NeMo Gym.
 NEMO_RL = Path(__file__).parents[2] / "fixtures" / "nemo_rl" / "gdpo_example_tool_call_multireward.yaml"
 EQUIVALENCE = "resources_servers/equivalence_rule/configs/lc.yaml"
@@ -64,7 +66,8 @@ async def endpoint():
 async def gym():
     spec = NemoGymSpec.from_nemo_rl(yaml.safe_load(NEMO_RL.read_text())["env"]["nemo_gym"], venv=VENV)
     spec.config_paths.append(EQUIVALENCE)
-    spec.overrides["lc_equivalence_rule"] = {"resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}}
+    spec.overrides["lc_equivalence_rule"] = {
+        "resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}}
     agent = NemoGymAgent(spec)
     await agent.start()
     yield agent
@@ -83,7 +86,8 @@ def multireward_tasks(agent: NemoGymAgent) -> list[dict]:
 def equivalence_task(word: str) -> dict:
     return {"nemo_gym": {"responses_create_params": {"input": [{"role": "user", "content": f"say {word}"}]},
                          "expected_answer": ALPHABET,
-                         "agent_ref": {"type": "responses_api_agents", "name": "lc_equivalence_rule_simple_agent"}}}
+                         "agent_ref": {"type": "responses_api_agents",
+                                       "name": "lc_equivalence_rule_simple_agent"}}}
 
 
 async def run_episode(server: EndpointServer, agent: NemoGymAgent, task: dict, deadline_s: float = 120.0):
@@ -103,7 +107,8 @@ async def reference_verify(agent: NemoGymAgent, resources_server: str, row: dict
     response = {"id": "resp_ref", "created_at": 0, "model": "policy", "object": "response", "output": output,
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{agent.servers[resources_server]}/verify", json=row | {"response": response}) as r:
+        url = f"{agent.servers[resources_server]}/verify"
+        async with http.post(url, json=row | {"response": response}) as r:
             assert r.status == 200, await r.text()
             return await r.json()
 
@@ -136,10 +141,12 @@ async def test_nemo_rl_multireward_config_gives_verify_reward_and_components_as_
         result, trajectory = await run_episode(server, gym, task)
         prompt, answer = recorded_answer(engine, trajectory)
         # The tools reached the template; the tiny vocabulary has no capitals, so compare the task's tail.
-        assert prompt.startswith("<bos>s:tools get_weather\n") and task["messages"][-1]["content"][-6:] in prompt
+        assert prompt.startswith("<bos>s:tools get_weather\n")
+        assert task["messages"][-1]["content"][-6:] in prompt
         reference = await reference_verify(gym, "example_tool_call_multireward", task["nemo_gym"], answer)
         assert result.reward == pytest.approx(reference["reward"])
-        assert result.metrics == {k: pytest.approx(reference[k]) for k in ("correctness", "schema_valid", "format")}
+        components = ("correctness", "schema_valid", "format")
+        assert result.metrics == {k: pytest.approx(reference[k]) for k in components}
 
 
 async def test_an_episode_past_its_deadline_fails_and_its_late_calls_find_no_route(endpoint, gym):
@@ -149,6 +156,6 @@ async def test_an_episode_past_its_deadline_fails_and_its_late_calls_find_no_rou
     assert gym.routes == {}
     # What NeMo Gym's model server would send for that episode now: refused by the pass-through.
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{gym.servers['policy_model']}/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "metadata": {"flywheel_episode": "gone"}}) as r:
+        call = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"flywheel_episode": "gone"}}
+        async with http.post(f"{gym.servers['policy_model']}/v1/chat/completions", json=call) as r:
             assert r.status != 200 and "no open Flywheel episode" in await r.text()
