@@ -23,8 +23,13 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from engine_harness import Trainer, policy  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
-from services.environment.agents import AgentEpisode, AgentError  # noqa: E402
-from services.environment.agents.nemo_gym import NemoGymAgent, NemoGymSpec, read_tasks  # noqa: E402
+from services.environment.agents import AgentEpisode, AgentError, AgentResult  # noqa: E402
+from services.environment.agents.nemo_gym import (  # noqa: E402
+    NemoGymAgent,
+    NemoGymSpec,
+    read_tasks,
+    to_result,
+)
 from services.rollout.endpoint.server import EndpointServer  # noqa: E402
 from services.rollout.engines import make_engine  # noqa: E402
 
@@ -159,3 +164,14 @@ async def test_an_episode_past_its_deadline_fails_and_its_late_calls_find_no_rou
         call = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"flywheel_episode": "gone"}}
         async with http.post(f"{gym.servers['policy_model']}/v1/chat/completions", json=call) as r:
             assert r.status != 200 and "no open Flywheel episode" in await r.text()
+
+
+@pytest.mark.parametrize("reward", [None, "1.0", True, float("nan"), float("inf")])
+async def test_a_malformed_verify_reward_fails_the_episode(reward):
+    with pytest.raises(AgentError, match="malformed reward"):
+        to_result({"reward": reward, "correctness": 1.0}, {})
+
+
+async def test_metrics_are_verifys_numbers_the_task_row_did_not_bring():
+    verified = {"reward": 2, "format": 1.0, "expected_call": {}, "task_id": 7, "ok": True, "note": "x"}
+    assert to_result(verified, {"task_id": 7}) == AgentResult(reward=2.0, metrics={"format": 1.0})
