@@ -16,6 +16,7 @@ Gym, and a call for an episode that has ended finds no route (404) and never rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -53,20 +54,28 @@ class NemoGymSpec:
     """Extra NeMo Gym global config (`key=value` on ng_run's command line)."""
     startup_s: float = 300.0
 
-    @classmethod
-    def from_nemo_rl(cls, nemo_gym: dict, **kwargs) -> NemoGymSpec:
-        """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config): `config_paths`, and the rest as NeMo
-        Gym overrides, less the keys only NeMo RL reads."""
-        nemo_rl_only = ("config_paths", "is_trajectory_collection")
-        overrides = {k: v for k, v in nemo_gym.items() if k not in nemo_rl_only}
-        return cls(config_paths=list(nemo_gym["config_paths"]), overrides=overrides, **kwargs)
+    def __post_init__(self) -> None:
+        self.venv = Path(self.venv)
+        paths = self.config_paths
+        if not paths or not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise ValueError(f"config_paths must be a non-empty list of NeMo Gym config paths, got {paths!r}")
+        if not (self.venv / "bin" / "ng_run").exists():
+            raise ValueError(f"no NeMo Gym in {self.venv} (make gym-venv)")
+
+
+def nemo_rl_agent_spec(nemo_gym: dict) -> dict:
+    """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config) as a `nemo_gym` agent spec:
+    `config_paths`, and the rest as NeMo Gym overrides, less the key only NeMo RL reads."""
+    overrides = {k: v for k, v in nemo_gym.items() if k not in ("config_paths", "is_trajectory_collection")}
+    return {"type": "nemo_gym", "config_paths": list(nemo_gym["config_paths"]), "overrides": overrides}
 
 
 class NemoGymAgent(Agent):
-    """One `ng_run` (its servers started once by `start()`) serving many concurrent episodes."""
+    """One `ng_run` (its servers started once) serving many concurrent episodes. Built from a spec's fields
+    (the registry's `{"type": "nemo_gym", "config_paths": [...], ...}`) or a NemoGymSpec."""
 
-    def __init__(self, spec: NemoGymSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: NemoGymSpec | None = None, **fields) -> None:
+        self.spec = spec or NemoGymSpec(**fields)
         self.routes: dict[str, AgentEpisode] = {}
         self.key = secrets.token_urlsafe(24)  # what NeMo Gym's model server sends the pass-through
         self.workdir = Path(tempfile.mkdtemp(prefix="flywheel-gym-"))
@@ -75,8 +84,18 @@ class NemoGymAgent(Agent):
         self.http: aiohttp.ClientSession | None = None
         self.servers: dict[str, str] = {}  # NeMo Gym config name -> url
         self.agents: list[str] = []
+        self.starting: asyncio.Task | None = None
+        # Registered on a running loop (the environment service): start now, not inside the first episode.
+        with contextlib.suppress(RuntimeError):
+            self.starting = asyncio.get_running_loop().create_task(self._start())
 
     async def start(self) -> None:
+        """Until the servers are up; a failed start fails every episode with its error (no restart storm)."""
+        if self.starting is None:
+            self.starting = asyncio.create_task(self._start())
+        await asyncio.shield(self.starting)
+
+    async def _start(self) -> None:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         proxy_url = await self._start_proxy()
         head = _free_port()
@@ -106,7 +125,7 @@ class NemoGymAgent(Agent):
         """Until every server ng_run started answers HTTP (as NeMo Gym's own spin-up check does)."""
         while True:
             if self.proc.returncode is not None:
-                raise AgentError(f"ng_run exited with {self.proc.returncode}: {self.log_tail()}")
+                raise AgentError(f"ng_run exited with {self.proc.returncode}: {self.log_tail()}", "crash")
             instances = await self._get_json(f"{head_url}/server_instances")
             if instances and all([await self._answers(i["url"]) for i in instances]):
                 self.servers = {i["process_name"]: i["url"] for i in instances}
@@ -133,6 +152,10 @@ class NemoGymAgent(Agent):
         return (self.workdir / "ng_run.log").read_text(errors="replace")[-chars:]
 
     async def run(self, episode: AgentEpisode) -> AgentResult:
+        try:
+            await self.start()
+        except TimeoutError:
+            raise AgentError(f"NeMo Gym servers not up within {self.spec.startup_s:g} s") from None
         row = copy.deepcopy(episode.task.get("nemo_gym", episode.task))
         url = f"{self.servers[self._agent_for(row)]}/run"
         episode_id = secrets.token_hex(16)
@@ -142,7 +165,8 @@ class NemoGymAgent(Agent):
         try:
             verified = await asyncio.wait_for(self._post(url, row), episode.deadline_s)
         except TimeoutError:
-            raise AgentError(f"NeMo Gym episode past its {episode.deadline_s}s deadline") from None
+            raise AgentError(f"NeMo Gym episode past its {episode.deadline_s}s deadline",
+                             "deadline") from None
         finally:
             self.routes.pop(episode_id, None)  # late calls of this episode now find no route
         return to_result(verified, row)
@@ -160,7 +184,7 @@ class NemoGymAgent(Agent):
             async with self.http.post(url, json=row) as r:
                 body = await r.text()
         except aiohttp.ClientError as e:
-            raise AgentError(f"NeMo Gym agent server unreachable: {e}") from e
+            raise AgentError(f"NeMo Gym agent server unreachable: {e}", "crash") from e
         if r.status != 200:
             raise AgentError(f"NeMo Gym /run answered {r.status}: {body[:2000]}")
         try:
@@ -207,6 +231,10 @@ class NemoGymAgent(Agent):
 
     async def close(self) -> None:
         """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); SIGKILL the group if it hangs."""
+        if self.starting is not None and not self.starting.done():
+            self.starting.cancel()
+            with contextlib.suppress(BaseException):
+                await self.starting
         if self.proc is not None and self.proc.returncode is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -226,7 +254,7 @@ def to_result(verified: dict, row: dict) -> AgentResult:
     bring."""
     reward = verified.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise AgentError(f"NeMo Gym /verify gave a malformed reward: {reward!r}")
+        raise AgentError(f"NeMo Gym /verify gave a malformed reward: {reward!r}", "malformed_reward")
     metrics = {k: float(v) for k, v in verified.items()
                if k != "reward" and k not in row and _is_number(v)}
     return AgentResult(reward=float(reward), metrics=metrics)

@@ -26,10 +26,11 @@ from services.common.config import load_config  # noqa: E402
 from services.environment.agents import AgentEpisode, AgentError, AgentResult  # noqa: E402
 from services.environment.agents.nemo_gym import (  # noqa: E402
     NemoGymAgent,
-    NemoGymSpec,
+    nemo_rl_agent_spec,
     read_tasks,
     to_result,
 )
+from services.environment.agents.registry import UnknownAgent, make_agent  # noqa: E402
 from services.rollout.endpoint.server import EndpointServer  # noqa: E402
 from services.rollout.engines import make_engine  # noqa: E402
 
@@ -69,11 +70,11 @@ async def endpoint():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gym():
-    spec = NemoGymSpec.from_nemo_rl(yaml.safe_load(NEMO_RL.read_text())["env"]["nemo_gym"], venv=VENV)
-    spec.config_paths.append(EQUIVALENCE)
-    spec.overrides["lc_equivalence_rule"] = {
+    spec = nemo_rl_agent_spec(yaml.safe_load(NEMO_RL.read_text())["env"]["nemo_gym"])
+    spec["config_paths"].append(EQUIVALENCE)
+    spec["overrides"]["lc_equivalence_rule"] = {
         "resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}}
-    agent = NemoGymAgent(spec)
+    agent = make_agent(spec | {"venv": str(VENV)})  # as the environment service builds it from a spec
     await agent.start()
     yield agent
     await agent.close()
@@ -156,8 +157,9 @@ async def test_nemo_rl_multireward_config_gives_verify_reward_and_components_as_
 
 async def test_an_episode_past_its_deadline_fails_and_its_late_calls_find_no_route(endpoint, gym):
     server, _ = endpoint
-    with pytest.raises(AgentError, match="deadline"):
+    with pytest.raises(AgentError, match="deadline") as failed:
         await run_episode(server, gym, equivalence_task("late"), deadline_s=0.01)
+    assert failed.value.reason == "deadline"
     assert gym.routes == {}
     # What NeMo Gym's model server would send for that episode now: refused by the pass-through.
     async with aiohttp.ClientSession() as http:
@@ -168,8 +170,16 @@ async def test_an_episode_past_its_deadline_fails_and_its_late_calls_find_no_rou
 
 @pytest.mark.parametrize("reward", [None, "1.0", True, float("nan"), float("inf")])
 async def test_a_malformed_verify_reward_fails_the_episode(reward):
-    with pytest.raises(AgentError, match="malformed reward"):
+    with pytest.raises(AgentError, match="malformed reward") as failed:
         to_result({"reward": reward, "correctness": 1.0}, {})
+    assert failed.value.reason == "malformed_reward"
+
+
+async def test_a_spec_without_config_paths_or_venv_is_refused_by_the_registry():
+    with pytest.raises(UnknownAgent, match="config_paths"):
+        make_agent({"type": "nemo_gym", "config_paths": [], "venv": str(VENV)})
+    with pytest.raises(UnknownAgent, match="no NeMo Gym"):
+        make_agent({"type": "nemo_gym", "config_paths": ["a.yaml"], "venv": "/nonexistent"})
 
 
 async def test_metrics_are_verifys_numbers_the_task_row_did_not_bring():
