@@ -230,18 +230,21 @@ class NemoGymAgent(Agent):
         return web.Response(status=r.status, body=answer, content_type=r.content_type)
 
     async def close(self) -> None:
-        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); SIGKILL the group if it hangs."""
+        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); then SIGKILL to its session's process
+        group: ng_run's shutdown signals each server's bash wrapper, and a server whose wrapper it kills after its
+        grace period would live on, orphaned."""
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             with contextlib.suppress(BaseException):
                 await self.starting
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 60)
-            except TimeoutError:
+        if self.proc is not None:
+            if self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.proc.wait(), 60)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                await self.proc.wait()
+            await self.proc.wait()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.http is not None:

@@ -11,6 +11,7 @@ answer.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,18 @@ async def gym():
     await agent.start()
     yield agent
     await agent.close()
+    assert await group_gone(agent.proc.pid)  # nothing ng_run started in its session outlives close()
+
+
+async def group_gone(pgid: int) -> bool:
+    """Whether the process group is empty, after the moment killed processes take to be reaped."""
+    for _ in range(100):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def multireward_tasks(agent: NemoGymAgent) -> list[dict]:
