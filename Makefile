@@ -9,9 +9,15 @@ STAMP := $(VENV)/.installed
 VERIFIERS_VENV := .venv-verifiers
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
-.PHONY: setup up test proto lint gpu-check verifiers
+.PHONY: setup up test proto lint gpu-check verifiers gym-venv
 
 setup: $(STAMP)
+
+# NeMo Gym (Python >= 3.12, Ray, hydra, mlflow) in its own venv, .venv-gym: agents start its servers as
+# subprocesses and Flywheel never imports it (docs/agents.md, "NeMo Gym"). Made for make test (as .venv-verifiers);
+# a run with a nemo_gym environment needs `make gym-venv` once. A no-op once installed.
+gym-venv:
+	deploy/gym/setup_venv.sh
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)
@@ -36,7 +42,7 @@ up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
 
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
-test: setup $(VERIFIERS_STAMP)
+test: setup $(VERIFIERS_STAMP) gym-venv
 	tests/with_system_tools.sh $(VENV)/bin/pytest -m "not gpu" -q $(ARGS)
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.

@@ -17,6 +17,7 @@ from services.environment.agents import Agent
 KINDS: dict[str, str] = {
     "program": "services.environment.agents.program:ProgramAgent",
     "verifiers": "services.environment.agents.verifiers_agent:VerifiersAgent",
+    "nemo_gym": "services.environment.agents.nemo_gym:NemoGymAgent",
 }
 """Agent type -> "module:Class"."""
 
