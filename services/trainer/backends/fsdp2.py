@@ -34,6 +34,7 @@ from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
 from services.trainer.backends.full_weights import full_weights
+from services.trainer.backends.offline_step import offline_step, offline_validate
 from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
@@ -68,13 +69,16 @@ class FSDP2Backend(TrainingBackend):
         self.tp_summed = grad_allreduce_params(self.model) if self.tp > 1 else []
         """Parameters whose gradients are summed over the TP group (after FSDP2 made them its own)."""
         self.reference = None
-        if cfg.loss_fn.reference_policy_kl_penalty > 0 and not self.lora:  # a frozen copy of the initial weights
+        wants_reference = cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.algorithm == "dpo"
+        if wants_reference and not self.lora:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
             self.reference = self._shard(reference.requires_grad_(False), offload=cuda)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # all but LoRA's frozen base
         self.optimizer = build_optimizer(trainable, cfg.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
-        self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
+        # Offline algorithms score data, not samples: NeMo RL's SFT and DPO take logprobs at temperature 1.
+        temperature = cfg.policy.generation.temperature if cfg.algorithm == "grpo" else 1.0
+        self.forward = Forward(cfg.policy, temperature, self.device)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
         """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
@@ -174,6 +178,13 @@ class FSDP2Backend(TrainingBackend):
         # This rank's wall time: recomputing prev (if needed) and reference logprobs, then the optimizer steps.
         return _mean_over_steps(reports) | masking | {"timing/train/logprobs": t1 - t0,
                                                       "timing/train/optimizer": time.perf_counter() - t1}
+
+    def offline_step(self, b: TrainBatch) -> dict[str, float]:
+        """SFT or DPO: one optimizer step on the whole batch (offline_step.py)."""
+        return offline_step(self, b)
+
+    def validate(self, b: TrainBatch) -> dict[str, float]:
+        return offline_validate(self, b)
 
     def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
                         micro_batches: list[list[int]]) -> dict[str, float]:

@@ -1,0 +1,69 @@
+"""The offline algorithms' config sections: NeMo RL's `sft:`, `dpo:` and `rm:` (examples/configs/{sft,dpo,rm}.yaml).
+
+A run trains the algorithm whose section is present (at most one); with none it is GRPO. The
+loop's own keys (max_num_steps, max_num_epochs, val_period, seed) drive the same machinery as
+GRPO's: FlywheelConfig copies them onto `grpo.*` and `run.seed` (config.py, _offline_loop), so the
+controller, replay and trainer count steps one way. One step is one batch of
+policy.train_global_batch_size examples (SFT rows, or preference pairs for DPO and RM), served
+by replay as one group each. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config_base import Section
+
+Algorithm = Literal["grpo", "sft", "dpo", "rm"]
+OFFLINE = ("sft", "dpo", "rm")
+
+
+class OfflineLoopConfig(Section):
+    """The keys NeMo RL's SFT, DPO and RM loops share (SFTConfig, DPOConfig, RMConfig)."""
+
+    max_num_steps: int = Field(100, gt=0)
+    """Optimizer steps in the run, at most; max_num_epochs may end it sooner."""
+    max_num_epochs: int = Field(1, gt=0)
+    """Passes over data.train."""
+    val_period: int = Field(0, ge=0)
+    """Validation loss every val_period steps (0: none); the trainer computes it on data.validation."""
+    val_batches: int = Field(0, ge=0)
+    """Validation batches per validation; 0: the whole validation set (NeMo RL's -1 and 0 read alike)."""
+    val_global_batch_size: int = Field(32, gt=0)
+    """Examples per validation batch."""
+    val_micro_batch_size: int = Field(1, gt=0)
+    """Examples per validation forward."""
+    val_at_start: bool = False
+    """Validate the initial weights before the first step."""
+    val_at_end: bool = False
+    """Validate after the last step."""
+    seed: int = 42
+    """Copied to run.seed: model init, data order."""
+
+
+class SFTSection(OfflineLoopConfig):
+    """NeMo RL `sft:`: the loss is NLLLoss (services/trainer/algorithms/sft.py)."""
+
+
+class DPOSection(OfflineLoopConfig):
+    """NeMo RL `dpo:`: the loop keys and DPOLossConfig's (services/trainer/algorithms/dpo.py)."""
+
+    reference_policy_kl_penalty: float = Field(0.05, ge=0)
+    """β of the implicit reward margin."""
+    preference_loss_weight: float = Field(1.0, ge=0)
+    sft_loss_weight: float = Field(0.0, ge=0)
+    preference_average_log_probs: bool = False
+    sft_average_log_probs: bool = False
+
+
+class RMSection(OfflineLoopConfig):
+    """NeMo RL `rm:`: Bradley-Terry on a scalar head (services/trainer/algorithms/rm.py)."""
+
+
+def loss_keys(dpo: DPOSection) -> dict[str, float | bool]:
+    """The `dpo:` keys DPOLossConfig takes, by name."""
+    names = ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight",
+             "preference_average_log_probs", "sft_average_log_probs")
+    return {name: getattr(dpo, name) for name in names}
