@@ -400,6 +400,11 @@ def summary_lines(cfg: FlywheelConfig, rows: list[dict]) -> list[str]:
         return sum(r[key] for r in rs) / len(rs)
 
     first, last = rows[:10], rows[-10:]
+    if cfg.algorithm != "grpo":  # no rollout, no reward: the loss and the trainer's time
+        return [f"summary: {len(rows)} {cfg.algorithm} steps",
+                f"  loss: first 10 steps {mean('train/loss', first):.4f} -> last 10 steps {mean('train/loss', last):.4f}",
+                f"  mean step time {mean('timing/train/total_step_time'):.3f} s; replay {mean('timing/train/replay'):.3f}, "
+                f"training {mean('timing/train/policy_training'):.3f} s"]
     trainer = ", ".join(f"{name} {mean(key):.3f}" for name, key in TRAINER_PARTS)
     per_group = ", ".join(f"{name} {mean(key) / cfg.grpo.num_prompts_per_step:.3f}" for name, key in ROLLOUT_PARTS)
     lines = [(f"summary: {len(rows)} steps, max_staleness={cfg.grpo.max_staleness}, "
