@@ -21,7 +21,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
-from services.common.config_offline import OFFLINE, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
+from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
 
@@ -830,11 +830,21 @@ class FlywheelConfig(Section):
         if loop is None:
             return self
         g = self.grpo
-        g.max_num_steps, g.max_num_epochs, self.run.seed = loop.max_num_steps, loop.max_num_epochs, loop.seed
+        g.max_num_steps = loop.max_num_steps if loop.max_num_steps > 0 else UNBOUNDED_STEPS
+        g.max_num_epochs, self.run.seed = loop.max_num_epochs, loop.seed
         g.num_prompts_per_step = self.policy.train_global_batch_size or g.num_prompts_per_step
         g.num_generations_per_prompt = 1 if self.algorithm == "sft" else 2
         if self.environments:
             raise ValueError(f"environments: {self.algorithm} trains on data.train only (no rollout); remove them")
+        if self.algorithm == "rm":
+            raise ValueError("rm: reward-model training (a scalar head, AutoModelForSequenceClassification) is not "
+                             "built yet; the Bradley-Terry loss is (services/trainer/algorithms/rm.py)")
+        if self.policy.megatron_cfg.enabled:
+            raise ValueError(f"{self.algorithm}: the offline step is the FSDP2 backend's; set "
+                             "policy.megatron_cfg.enabled=false")
+        if any(d.processor == "math_hf_data_processor" for d in self.data.train_sets()):
+            raise ValueError(f"data.train.processor: math_hf_data_processor makes GRPO prompts; {self.algorithm} "
+                             "reads SFT rows or preference pairs (sft_processor or none)")
         return self
 
     @property

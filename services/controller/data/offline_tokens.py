@@ -5,8 +5,8 @@
 
 Tokens follow NeMo RL's get_formatted_message_log: the chat template (tools included) is applied to
 each growing prefix of the conversation and each message takes the text its turn adds, tokenized on
-its own; an assistant message's tokens (its role header included) carry the loss, and the tokenizer's
-EOS ends the last message (add_eos). So the trainer's batch.py builds the same rows as for a rollout:
+its own; an assistant message's tokens (its role header included) carry the loss, the tokenizer's BOS
+starts the conversation when the template gave none (add_bos) and its EOS ends the last message (add_eos). So the trainer's batch.py builds the same rows as for a rollout:
 prompt tokens untrained, completion tokens trained where the mask says.
 
 Step t trains on examples order[t*P:(t+1)*P] of its epoch (P = grpo.num_prompts_per_step, the last
@@ -68,9 +68,11 @@ def message_pieces(tokenizer, messages: list[dict], tools: list[dict] | None, st
         ids = tokenizer(text[len(prev):], add_special_tokens=False)["input_ids"]
         pieces.append((list(ids), messages[i]["role"] == "assistant"))
         prev = text
-    eos = tokenizer.eos_token_id
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if pieces and start == 0 and bos is not None and pieces[0][0][:1] != [bos]:  # NeMo RL's add_bos
+        pieces[0][0].insert(0, bos)
     if pieces and messages[-1]["role"] == "assistant" and eos is not None and pieces[-1][0][-1:] != [eos]:
-        pieces[-1][0].append(eos)
+        pieces[-1][0].append(eos)  # add_eos
     return pieces
 
 
