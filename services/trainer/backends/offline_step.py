@@ -34,6 +34,11 @@ def pair_plan(n_rows: int, rank: int, world: int, micro_pairs: int) -> list[list
     return lockstep(per_rank, rank)
 
 
+def _filler(be) -> list[int]:
+    """The rows an empty micro-batch runs (its loss times 0) to join the collectives: one pair for DPO."""
+    return [0] if be.cfg.algorithm == "sft" else [0, 1]
+
+
 def micro_batches(be, b: TrainBatch, micro: int) -> list[list[int]]:
     if be.cfg.algorithm == "sft":
         lengths = b.attention_mask.sum(1).tolist()
@@ -50,7 +55,7 @@ def reference_logprobs(be, b: TrainBatch, plan: list[list[int]]) -> Tensor:
     model = be.reference if be.reference is not None else be.model
     with adapters_off(be.model) if be.reference is None else contextlib.nullcontext():
         for rows in plan:
-            values = be.forward.logprobs(model, b, rows or [0])
+            values = be.forward.logprobs(model, b, rows or _filler(be))
             if rows:
                 out[rows, : values.shape[1]] = values.float().cpu()
     return out
@@ -89,8 +94,8 @@ def offline_step(be, b: TrainBatch) -> dict[str, float]:
     be.model.train()
     try:
         for rows in plan:
-            curr = be.forward.logprobs(be.model, b, rows or [0])
-            loss, m = micro_loss(be, curr, b, rows or [0], ref, totals)
+            curr = be.forward.logprobs(be.model, b, rows or _filler(be))
+            loss, m = micro_loss(be, curr, b, rows or _filler(be), ref, totals)
             (loss * (be.dp if rows else 0.0)).backward()  # an empty micro-batch only joins the collectives
             if rows:
                 metrics = combine_metrics(metrics, m)
@@ -114,8 +119,8 @@ def offline_validate(be, b: TrainBatch) -> dict[str, float]:
     totals = totals_of(b)
     metrics: dict[str, float] = {}
     for rows in plan:
-        curr = be.forward.logprobs(be.model, b, rows or [0])
-        _, m = micro_loss(be, curr, b, rows or [0], ref, totals)
+        curr = be.forward.logprobs(be.model, b, rows or _filler(be))
+        _, m = micro_loss(be, curr, b, rows or _filler(be), ref, totals)
         if rows:
             metrics = combine_metrics(metrics, m)
     return _combine(be, metrics)
