@@ -320,6 +320,8 @@ class Trainer:
         name = self.cfg.checkpointing.metric_name
         if not self.cfg.checkpointing.ranks_by_validation:
             return {}
+        if self.offline is not None:  # the trainer validates an offline run itself
+            return dict(self.offline.validated)
         return await self.validations.read(f"checkpoint ranking by {name} (the checkpoints still due a validation "
                                            f"are kept)")
 

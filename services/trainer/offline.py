@@ -10,7 +10,8 @@ Validation is the trainer's here, not rollout's: NeMo RL's SFT and DPO validate 
 data.validation (no generation). Every val_period steps (val_at_start, val_at_end) the model scores
 up to val_batches × val_global_batch_size validation examples (all with val_batches 0), normalized
 over all of them at once, and the metrics go into the step's report as validation/* (SFT's loss as
-NeMo RL names it, validation/val_loss) and into validation.jsonl.
+NeMo RL names it, validation/val_loss) and into validation.jsonl; checkpoints rank by them
+(checkpointing.metric_name val:val_loss, sft.yaml's) as under GRPO by the controller's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 
 from services.common.config import FlywheelConfig
+from services.common.jsonl import read_rows
 from services.controller.data.offline_tokens import group_of, load_plan
 from services.trainer.batch import TrainBatch, build_batch
 
@@ -34,6 +36,9 @@ class OfflineRun:
                   for i, t in enumerate(validation[:limit])]
         self.validation: TrainBatch | None = build_batch(groups, tokenizer.pad_token_id) if groups else None
         self.path = Path(cfg.run.run_dir or ".") / "validation.jsonl"
+        self.validated: dict[int, dict[str, float]] = {
+            row["version"]: {k: v for k, v in row.items() if k != "version"} for row in read_rows(self.path)}
+        """Policy version -> its validation (a resumed run's included): checkpoints rank by it (val:val_loss)."""
 
     def due(self, version: int, final: bool) -> bool:
         """Validate the weights of `version` (steps done)?"""
@@ -50,4 +55,5 @@ class OfflineRun:
                  for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"version": version, **named}) + "\n")
+        self.validated[version] = named
         return named
