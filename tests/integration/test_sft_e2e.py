@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,31 @@ def test_dpo_on_toy_pairs_takes_held_out_accuracy_up_and_raises_the_chosen_respo
     assert last["validation/rewards_chosen_mean"] > 0 > last["validation/rewards_rejected_mean"], last
     assert last["validation/preference_loss"] < first["validation/preference_loss"]
     assert {"train/loss", "train/accuracy", "train/rewards_chosen_mean", "train/preference_loss"} <= set(rows[-1])
+
+
+NEMO_RL_SFT = Path(__file__).resolve().parents[1] / "fixtures/nemo_rl/examples/configs/sft.yaml"
+
+
+@pytest.mark.slow
+def test_nemo_rl_sft_yaml_runs_with_its_two_edits_and_logs_nemo_rl_names_to_tensorboard(tmp_path):
+    """NeMo RL's own sft.yaml: the two documented edits (local copies of its datasets), then only what makes it a
+    CPU test (the tiny model, a batch and learning rate it learns with, no W&B login)."""
+    write_sft(tmp_path / "train.jsonl", 400, seed=1)
+    write_sft(tmp_path / "val.jsonl", 40, seed=2)
+    edits = [f"++data.train.data_path={tmp_path / 'train.jsonl'}", f"++data.validation.data_path={tmp_path / 'val.jsonl'}"]
+    cpu = ["policy.model_name=tiny", "logger.wandb_enabled=false", "policy.train_global_batch_size=16",
+           "policy.train_micro_batch_size=8", "policy.optimizer.kwargs.lr=0.003", "policy.optimizer.kwargs.weight_decay=0",
+           f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "sft.max_num_steps=20"]
+    cfg = load_config(NEMO_RL_SFT, edits + cpu)
+    with LocalStack(cfg, tmp_path / "run") as stack:
+        stack.start_services()
+        stack.wait_for(lambda rs: len(rs) >= 20, "20 steps", timeout_s=600)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "logs" / "tensorboard"))
+    events.Reload()
+    val = {s.step: s.value for s in events.Scalars("validation/val_loss")}
+    print("NeMo RL sft.yaml on the tiny model, validation/val_loss in TensorBoard:", val)
+    assert sorted(val) == [10, 20] and val[20] < val[10]  # sft.val_period 10; val_at_start's v0 is in the jsonl
+    assert "train/loss" in events.Tags()["scalars"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_10", "step_20"]  # save_period 10

@@ -167,5 +167,5 @@ def offline_plan_config(cfg):
         lines.append(f"{cfg.algorithm}.max_num_steps {cfg.grpo.max_num_steps} -> {plan.steps}: max_num_epochs="
                      f"{cfg.grpo.max_num_epochs} over {len(plan.examples)} examples, {plan.per_step} per step")
     cfg = cfg.model_copy(deep=True)
-    cfg.grpo.max_num_steps = plan.steps
+    cfg.grpo.max_num_steps = cfg.offline.max_num_steps = plan.steps  # both: validating again copies one to the other
     return cfg, lines
