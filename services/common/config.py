@@ -836,9 +836,8 @@ class FlywheelConfig(Section):
         g.num_generations_per_prompt = 1 if self.algorithm == "sft" else 2
         if self.environments:
             raise ValueError(f"environments: {self.algorithm} trains on data.train only (no rollout); remove them")
-        if self.algorithm == "rm":
-            raise ValueError("rm: reward-model training (a scalar head, AutoModelForSequenceClassification) is not "
-                             "built yet; the Bradley-Terry loss is (services/trainer/algorithms/rm.py)")
+        if self.algorithm == "rm" and self.policy.lora_cfg.enabled:
+            raise ValueError("rm with policy.lora_cfg: LoRA on the reward model's scalar head is not built")
         if self.policy.megatron_cfg.enabled:
             raise ValueError(f"{self.algorithm}: the offline step is the FSDP2 backend's; set "
                              "policy.megatron_cfg.enabled=false")

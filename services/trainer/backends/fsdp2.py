@@ -35,6 +35,7 @@ from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
 from services.trainer.backends.full_weights import full_weights
 from services.trainer.backends.offline_step import offline_step, offline_validate
+from services.trainer.backends.reward_head import load_scorer
 from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
@@ -59,7 +60,8 @@ class FSDP2Backend(TrainingBackend):
         self.publish_dtype = getattr(torch, cfg.policy.precision)
         self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
-        model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
+        load = load_scorer if cfg.algorithm == "rm" else load_policy  # rm: a scalar head (reward_head.py)
+        model, self.tokenizer = load(fp32, cfg.run.seed, self.device)
         self.lora = cfg.policy.lora_cfg if cfg.policy.lora_cfg.enabled else None
         if self.lora:
             apply_lora(model, self.lora, cfg.run.seed)
@@ -234,7 +236,8 @@ class FSDP2Backend(TrainingBackend):
     def hf_files(self, directory: Path) -> None:
         model = self.model
         model.config.save_pretrained(directory)
-        model.generation_config.save_pretrained(directory)
+        if getattr(model, "generation_config", None) is not None:  # a reward model generates nothing
+            model.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 
 

@@ -1,4 +1,4 @@
-"""One SFT or DPO step (and a validation pass) on the FSDP2 backend's model, optimizer and ranks.
+"""One SFT, DPO or RM step (and a validation pass) on the FSDP2 backend's model, optimizer and ranks.
 
     SFT: rows ─▶ micro-batches (train_plan: ranks r::dp, token budgets) ─▶ nll_loss / Σ valid tokens of the step
     DPO: pairs ─▶ rank r takes pairs r::dp ─▶ micro-batches of train_micro_batch_size pairs (rows 2k, 2k+1 together)
@@ -8,6 +8,7 @@ The step is one optimizer step over the whole batch (NeMo RL's SFT and DPO loops
 Every rank runs the same number of micro-batches (empty ones where it has no rows), since FSDP's forward
 and backward are collectives; the loss is multiplied by dp because FSDP averages gradients over ranks,
 so ranks sum, as fsdp2.py does for GRPO. Logprobs are at temperature 1 (no sampling to match).
+RM: pairs as DPO's, each row scored by the scalar head (reward_head.py), rm.preference_loss over the step's rows.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 from torch import Tensor
 
 from services.common.config_offline import loss_keys
-from services.trainer.algorithms import DPOInputs, DPOLossConfig, NLLInputs, dpo_loss, nll_loss
+from services.trainer.algorithms import (DPOInputs, DPOLossConfig, NLLInputs, PreferenceInputs, dpo_loss, nll_loss,
+                                         preference_loss)
 from services.trainer.algorithms.metrics import combine_metrics
+from services.trainer.backends.reward_head import scores
 from services.trainer.backends.tensor_parallel import sum_over_tp
 from services.trainer.batch import TrainBatch
 from services.trainer.lora import adapters_off
@@ -61,8 +64,18 @@ def reference_logprobs(be, b: TrainBatch, plan: list[list[int]]) -> Tensor:
     return out
 
 
+def forward(be, b: TrainBatch, rows: list[int]) -> Tensor:
+    """The policy's logprobs of the rows' tokens [rows, width - 1], or for rm the head's scores [rows]."""
+    if be.cfg.algorithm == "rm":
+        return scores(be.model, b, rows, be.device)
+    return be.forward.logprobs(be.model, b, rows)
+
+
 def micro_loss(be, curr: Tensor, b: TrainBatch, rows: list[int], ref: Tensor | None, totals: dict[str, float]):
     """(loss, metrics) of one micro-batch by the run's algorithm."""
+    if be.cfg.algorithm == "rm":
+        return preference_loss(curr, PreferenceInputs(sample_mask=b.sample_mask[rows].to(curr.device)),
+                               global_valid_seqs=totals["global_valid_seqs"])
     width = curr.shape[1]
     token_mask = b.token_mask[rows, :width].to(curr.device)
     sample_mask = b.sample_mask[rows].to(curr.device)
@@ -94,7 +107,7 @@ def offline_step(be, b: TrainBatch) -> dict[str, float]:
     be.model.train()
     try:
         for rows in plan:
-            curr = be.forward.logprobs(be.model, b, rows or _filler(be))
+            curr = forward(be, b, rows or _filler(be))
             loss, m = micro_loss(be, curr, b, rows or _filler(be), ref, totals)
             (loss * (be.dp if rows else 0.0)).backward()  # an empty micro-batch only joins the collectives
             if rows:
@@ -119,7 +132,7 @@ def offline_validate(be, b: TrainBatch) -> dict[str, float]:
     totals = totals_of(b)
     metrics: dict[str, float] = {}
     for rows in plan:
-        curr = be.forward.logprobs(be.model, b, rows or _filler(be))
+        curr = forward(be, b, rows or _filler(be))
         _, m = micro_loss(be, curr, b, rows or _filler(be), ref, totals)
         if rows:
             metrics = combine_metrics(metrics, m)
