@@ -135,3 +135,26 @@ def test_nemo_rl_sft_yaml_runs_with_its_two_edits_and_logs_nemo_rl_names_to_tens
     assert sorted(val) == [10, 20] and val[20] < val[10]  # sft.val_period 10; val_at_start's v0 is in the jsonl
     assert "train/loss" in events.Tags()["scalars"]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_10", "step_20"]  # save_period 10
+
+
+@pytest.mark.slow
+def test_rm_on_toy_pairs_reaches_held_out_accuracy_and_its_export_scores_as_flywheel_serve_reward_model_does(tmp_path):
+    write_pairs(tmp_path / "train.jsonl", 400, seed=1)
+    write_pairs(tmp_path / "val.jsonl", 40, seed=2)
+    rows, validations = run(tmp_path, {"rm": {"max_num_steps": -1, "max_num_epochs": 6, "val_period": 75,
+                                              "val_at_start": True}})
+    print("rm held-out validation:", validations[0], validations[-1])
+    assert len(rows) == 150 and validations[-1]["version"] == 150
+    assert validations[-1]["validation/accuracy"] >= 0.9 > validations[0]["validation/accuracy"]
+
+    export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
+    from services.common.config_data import RewardModelEnvConfig
+    from services.rollout.reward_model import RewardModel
+
+    served = RewardModel(RewardModelEnvConfig(model_name=str(tmp_path / "export"), precision="float32"))
+    pairs = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    scored = [served.score([[{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p[side]}]
+                            for side in ("chosen", "rejected")]) for p in pairs]
+    accuracy = sum(c > r for c, r in scored) / len(scored)
+    print("exported reward model served by flywheel serve reward_model's scorer, held-out pair accuracy:", accuracy)
+    assert accuracy >= 0.9

@@ -56,7 +56,7 @@ class OfflinePlan:
         return [self.examples[i] for i in order[batch * self.per_step:(batch + 1) * self.per_step]]
 
 
-def message_pieces(tokenizer, messages: list[dict], tools: list[dict] | None, start: int = 0
+def message_pieces(tokenizer, messages: list[dict], tools: list[dict] | None, start: int = 0, *, eos: bool = True
                    ) -> list[tuple[list[int], bool]]:
     """Token ids of messages[start:], each as the text its turn adds to the rendered prefix before it."""
     pieces, prev = [], _render(tokenizer, messages[:start], tools) if start else ""
@@ -68,11 +68,11 @@ def message_pieces(tokenizer, messages: list[dict], tools: list[dict] | None, st
         ids = tokenizer(text[len(prev):], add_special_tokens=False)["input_ids"]
         pieces.append((list(ids), messages[i]["role"] == "assistant"))
         prev = text
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    bos, eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id if eos else None
     if pieces and start == 0 and bos is not None and pieces[0][0][:1] != [bos]:  # NeMo RL's add_bos
         pieces[0][0].insert(0, bos)
-    if pieces and messages[-1]["role"] == "assistant" and eos is not None and pieces[-1][0][-1:] != [eos]:
-        pieces[-1][0].append(eos)  # add_eos
+    if pieces and messages[-1]["role"] == "assistant" and eos_id is not None and pieces[-1][0][-1:] != [eos_id]:
+        pieces[-1][0].append(eos_id)  # add_eos
     return pieces
 
 
@@ -87,9 +87,11 @@ def tokenize_sft(tokenizer, ex: SFTExample) -> Tokenized:
     return Tokenized(context=pieces[:first], completions=[pieces[first:]], where=ex.where)
 
 
-def tokenize_pair(tokenizer, ex: PreferenceExample) -> Tokenized:
+def tokenize_pair(tokenizer, ex: PreferenceExample, *, eos: bool = True) -> Tokenized:
+    """eos False (rm): the scored sequence ends as `flywheel serve reward_model` renders a conversation, so the
+    head learns the score at the token it is read at."""
     context = message_pieces(tokenizer, ex.context, ex.tools)
-    sides = [message_pieces(tokenizer, ex.context + side, ex.tools, start=len(ex.context))
+    sides = [message_pieces(tokenizer, ex.context + side, ex.tools, start=len(ex.context), eos=eos)
              for side in (ex.chosen, ex.rejected)]
     return Tokenized(context=context, completions=sides, where=ex.where)
 
@@ -99,12 +101,12 @@ def length(t: Tokenized, side: int) -> int:
 
 
 def build_plan(tokenizer, examples: list, *, kind: str, max_seq_length: int, per_step: int, max_num_steps: int,
-               epochs: int, seed: int, shuffle: bool) -> OfflinePlan:
+               epochs: int, seed: int, shuffle: bool, eos: bool = True) -> OfflinePlan:
     """Tokenize every example (dropping, with its reason, one over the limit) and size the run."""
     kept, drops = [], []
     for ex in examples:
         try:
-            t = tokenize_sft(tokenizer, ex) if kind == "sft" else tokenize_pair(tokenizer, ex)
+            t = tokenize_sft(tokenizer, ex) if kind == "sft" else tokenize_pair(tokenizer, ex, eos=eos)
             reason = over_limit(kind, tuple(length(t, s) for s in range(len(t.completions))), max_seq_length)
             if reason:
                 raise Dropped(f"over the sequence limit ({reason})")
@@ -149,10 +151,11 @@ def load_plan(cfg, tokenizer) -> tuple[OfflinePlan, list[Tokenized], list[str]]:
     plan = build_plan(tokenizer, [ex for s in loaded.train for ex in s.examples], kind=kind,
                       max_seq_length=cfg.policy.max_total_sequence_length, per_step=g.num_prompts_per_step,
                       max_num_steps=g.max_num_steps, epochs=g.max_num_epochs, seed=cfg.run.seed,
-                      shuffle=cfg.data.shuffle)
+                      shuffle=cfg.data.shuffle, eos=cfg.algorithm != "rm")
     validation = build_plan(tokenizer, [ex for s in loaded.validation for ex in s.examples], kind=kind,
                             max_seq_length=cfg.policy.max_total_sequence_length, per_step=1, max_num_steps=1,
-                            epochs=1, seed=cfg.run.seed, shuffle=False) if loaded.validation else None
+                            epochs=1, seed=cfg.run.seed, shuffle=False, eos=cfg.algorithm != "rm"
+                            ) if loaded.validation else None
     lines += [f"data: {d.where}: dropped: {d.reason}" for d in plan.drops + (validation.drops if validation else [])]
     return plan, validation.examples if validation else [], lines
 
