@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from services.common.config_base import Section
-from services.common.nemo_rl_rules import Rule, is_
+from services.common.nemo_rl_rules import Rule, is_, same_as
 
 Algorithm = Literal["grpo", "sft", "dpo", "rm"]
 OFFLINE = ("sft", "dpo", "rm")
@@ -87,6 +87,11 @@ OFFLINE_RULES: tuple[Rule, ...] = (
          "the last assistant turn ends with the tokenizer's EOS, as NeMo RL's add_eos: true; false is not built"),
     Rule("data.add_generation_prompt", lambda v, tree: v is False or not _offline(v, tree),
          "offline conversations are rendered without a generation prompt (the assistant turns are in the data)"),
+    Rule("policy.reward_model_cfg", lambda v, tree: "rm" in tree and (v or {}).get("enabled") is True
+         and (v or {}).get("reward_model_type", "bradley_terry") == "bradley_terry",
+         "an rm: run's model is a Bradley-Terry scalar head (the only type NeMo RL has); it belongs to rm: runs"),
+    Rule("policy.activation_checkpointing_enabled", same_as("policy.activation_checkpointing"),
+         "rm.yaml's copy of the switch; the trainer reads policy.dtensor_cfg.activation_checkpointing"),
     Rule("policy.dtensor_cfg.dp_replicate_size", is_(1), "HSDP (replicated shards) is not built: FSDP2 shards "
          "over all data-parallel ranks"),
 )

@@ -1,4 +1,4 @@
-"""NeMo RL's own sft.yaml and dpo.yaml load with the two edits docs/nemo_rl_mapping.md lists (each needed), the
+"""NeMo RL's own sft.yaml, dpo.yaml and rm.yaml load with the two edits docs/nemo_rl_mapping.md lists (each needed), the
 section present picks the algorithm, its loop keys drive the run, and keys Flywheel cannot honour are refused."""
 
 import re
@@ -20,7 +20,7 @@ def _edits(name: str) -> list[str]:
     return re.findall(rf"^\d+\. {name}\.yaml: `([^`]+)`", section, flags=re.M)
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.parametrize("name", ["sft", "dpo", "rm"])
 def test_nemo_rl_offline_configs_load_with_at_most_two_documented_edits_each_needed(name):
     edits = _edits(name)
     assert 1 <= len(edits) <= 2
@@ -51,10 +51,13 @@ def test_dpo_yaml_loss_keys_map_onto_dpo_loss_config_with_its_interpolation():
     assert cfg.grpo.num_generations_per_prompt == 2  # one group is one (chosen, rejected) pair
 
 
-def test_rm_yaml_is_refused_with_the_reason_until_the_scalar_head_is_built():
-    with pytest.raises(ConfigError, match="reward-model training"):
-        load_config(CONFIGS / "rm.yaml", ["++data.train.data_path=x.jsonl", "++data.validation.data_path=y.jsonl",
-                                          "~policy.reward_model_cfg", "~policy.activation_checkpointing_enabled"])
+def test_rm_yaml_loads_with_the_same_two_edits_as_a_bradley_terry_run():
+    cfg, notes = load(CONFIGS / "rm.yaml", _edits("rm"))
+    assert cfg.algorithm == "rm" and cfg.rm.max_num_steps == -1 and cfg.grpo.num_generations_per_prompt == 2
+    assert cfg.grpo.max_num_steps > 10**6  # -1: the epochs alone end the run
+    assert any("policy.reward_model_cfg" in key for key, _ in notes)
+    with pytest.raises(ConfigError, match="policy.reward_model_cfg"):
+        load_config(CONFIGS / "rm.yaml", [*_edits("rm"), "policy.reward_model_cfg.reward_model_type=regression"])
 
 
 @pytest.mark.parametrize("override, key", [
