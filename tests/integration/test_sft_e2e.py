@@ -43,7 +43,7 @@ def write_pairs(path, count: int, seed: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run(tmp_path, section: dict, steps_timeout_s: float = 600):
+def run(tmp_path, section: dict, steps: int, steps_timeout_s: float = 600):
     """Start the offline services on tmp_path/config.yaml and wait for the final step; the metrics rows."""
     config = {**section, "policy": {"model_name": "tiny", "train_global_batch_size": 16, "train_micro_batch_size": 8,
                                     "max_total_sequence_length": 32},
@@ -52,7 +52,6 @@ def run(tmp_path, section: dict, steps_timeout_s: float = 600):
               "checkpointing": {"save_period": 25}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     cfg = load_config(tmp_path / "config.yaml")
-    steps = cfg.grpo.max_num_steps
     with LocalStack(cfg, tmp_path / "run") as stack:
         stack.start_services()
         assert set(stack.children.procs) == {"nats", "redis", "replay", "controller", "trainer"}
@@ -65,7 +64,7 @@ def test_sft_takes_validation_loss_near_its_floor_and_the_export_solves_the_toy_
     write_sft(tmp_path / "train.jsonl", 400, seed=1)
     write_sft(tmp_path / "val.jsonl", 40, seed=2)
     rows, validations = run(tmp_path, {"sft": {"max_num_steps": 60, "max_num_epochs": 3, "val_period": 20,
-                                               "val_at_start": True}})
+                                               "val_at_start": True}}, steps=60)
     assert [r["step"] for r in rows] == list(range(60))
     losses = [v["validation/val_loss"] for v in validations]
     print("sft validation loss by version:", {v["version"]: round(v["validation/val_loss"], 4) for v in validations})
@@ -98,7 +97,7 @@ def test_dpo_on_toy_pairs_takes_held_out_accuracy_up_and_raises_the_chosen_respo
     write_pairs(tmp_path / "train.jsonl", 400, seed=1)
     write_pairs(tmp_path / "val.jsonl", 40, seed=2)
     rows, validations = run(tmp_path, {"dpo": {"max_num_steps": 25, "val_period": 25, "val_at_start": True,
-                                               "reference_policy_kl_penalty": 0.1}})
+                                               "reference_policy_kl_penalty": 0.1}}, steps=25)
     first, last = validations[0], validations[-1]
     print("dpo held-out validation:", first, last)
     assert [first["version"], last["version"]] == [0, 25]
@@ -142,7 +141,7 @@ def test_rm_on_toy_pairs_reaches_held_out_accuracy_and_its_export_scores_as_flyw
     write_pairs(tmp_path / "train.jsonl", 400, seed=1)
     write_pairs(tmp_path / "val.jsonl", 40, seed=2)
     rows, validations = run(tmp_path, {"rm": {"max_num_steps": -1, "max_num_epochs": 6, "val_period": 75,
-                                              "val_at_start": True}})
+                                              "val_at_start": True}}, steps=150)  # 6 epochs of 400 // 16
     print("rm held-out validation:", validations[0], validations[-1])
     assert len(rows) == 150 and validations[-1]["version"] == 150
     assert validations[-1]["validation/accuracy"] >= 0.9 > validations[0]["validation/accuracy"]

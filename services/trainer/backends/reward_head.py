@@ -31,6 +31,7 @@ def load_scorer(cfg: PolicyConfig, seed: int, device: str | torch.device = "cpu"
         else:
             model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, config=config,
                                                                        dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]  # the checkpoint's hf/config.json: export picks the class by it
     return model.to(device), tokenizer
 
 
