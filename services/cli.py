@@ -77,13 +77,14 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     importable, grpo.max_num_steps bounded by grpo.max_num_epochs; each decision printed."""
     from services.common.chat_template import check_chat_template
     from services.controller.data import DataError, plan_config
+    from services.controller.data.offline_tokens import offline_plan_config
     from services.controller.tracking import TrackerError, check_trackers
 
     cfg.policy.generation.check_tool_parser()
     try:
         check_chat_template(cfg.policy)
         check_trackers(cfg)
-        cfg, lines = plan_config(cfg)
+        cfg, lines = plan_config(cfg) if cfg.algorithm == "grpo" else offline_plan_config(cfg)
     except DataError as err:
         raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
     except TrackerError as err:

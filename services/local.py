@@ -32,6 +32,8 @@ from services.common.security import secret_env, with_local_credentials
 from services.common.server import channel
 
 START_ORDER = ("environment", "replay", "controller", "trainer", "rollout")
+OFFLINE_SERVICES = ("replay", "controller", "trainer")
+"""SFT and DPO: the controller publishes the dataset, the trainer validates by the loss; no rollout, no environment."""
 INFRA = ("nats", "redis")
 STOP_TIMEOUT_S = 5.0
 BACKOFF_S = 0.5
@@ -221,6 +223,10 @@ class LocalStack:
             self.children.start("reward_model", "reward_model", self.config_path)
 
     def start_services(self) -> None:
+        if self.cfg.algorithm != "grpo":
+            for service in OFFLINE_SERVICES:
+                self.children.start(service, service, self.config_path)
+            return
         self.start_reward_model()
         for service in START_ORDER:
             if service != "rollout":
@@ -374,6 +380,11 @@ async def _final_validation(cfg: FlywheelConfig, version: int, children: Childre
 def _progress_line(cfg: FlywheelConfig, report: types_pb2.StepReport, elapsed: float) -> str:
     m = report.metrics
     step_s = m["timing/train/total_step_time"]
+    if cfg.algorithm != "grpo":
+        val = {k.removeprefix("validation/"): v for k, v in m.items() if k in ("validation/val_loss", "validation/loss")}
+        accuracy = f"  accuracy {m['train/accuracy']:.3f}" if "train/accuracy" in m else ""
+        return (f"step {report.step + 1:>4}/{cfg.grpo.max_num_steps}  {cfg.algorithm} loss {m['train/loss']:.4f}"
+                f"{accuracy}{''.join(f'  {k} {v:.4f}' for k, v in val.items())}  step {step_s:.2f} s  [{elapsed:5.0f}s]")
     tokens = m["train/mean_gen_tokens_per_sample"] * m["train/num_samples"]
     return (f"step {report.step + 1:>4}/{cfg.grpo.max_num_steps}  reward {m['train/reward_mean']:.3f}  "
             f"staleness {m['train/staleness_mean']:.2f}  tok/s {tokens / max(step_s, 1e-9):7.0f}  "
@@ -405,6 +416,11 @@ def summary_lines(cfg: FlywheelConfig, rows: list[dict]) -> list[str]:
         return sum(r[key] for r in rs) / len(rs)
 
     first, last = rows[:10], rows[-10:]
+    if cfg.algorithm != "grpo":  # no rollout, no reward: the loss and the trainer's time
+        return [f"summary: {len(rows)} {cfg.algorithm} steps",
+                f"  loss: first 10 steps {mean('train/loss', first):.4f} -> last 10 steps {mean('train/loss', last):.4f}",
+                f"  mean step time {mean('timing/train/total_step_time'):.3f} s; replay {mean('timing/train/replay'):.3f}, "
+                f"training {mean('timing/train/policy_training'):.3f} s"]
     trainer = ", ".join(f"{name} {mean(key):.3f}" for name, key in TRAINER_PARTS)
     per_group = ", ".join(f"{name} {mean(key) / cfg.grpo.num_prompts_per_step:.3f}" for name, key in ROLLOUT_PARTS)
     lines = [(f"summary: {len(rows)} steps, max_staleness={cfg.grpo.max_staleness}, "

@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
 
@@ -834,6 +835,49 @@ class FlywheelConfig(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     trainer: TrainerConfig = TrainerConfig()
+    sft: SFTSection | None = None
+    """NeMo RL's `sft:` section: present, the run is SFT on data.train (config_offline.py)."""
+    dpo: DPOSection | None = None
+    """NeMo RL's `dpo:` section: present, the run is DPO on preference pairs."""
+    rm: RMSection | None = None
+    """NeMo RL's `rm:` section: present, the run trains a reward model on preference pairs."""
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """Which top-level section is present: sft, dpo or rm; grpo otherwise."""
+        return next((name for name in OFFLINE if getattr(self, name) is not None), "grpo")
+
+    @property
+    def offline(self) -> OfflineLoopConfig | None:
+        """The offline algorithm's section, None under GRPO."""
+        return getattr(self, self.algorithm) if self.algorithm != "grpo" else None
+
+    @model_validator(mode="after")
+    def _offline_loop(self) -> FlywheelConfig:
+        """One algorithm per run; an offline one drives the shared step machinery through grpo.* (one group per
+        example, policy.train_global_batch_size groups a step) and needs no environment."""
+        present = [name for name in OFFLINE if getattr(self, name) is not None]
+        if len(present) > 1:
+            raise ValueError(f"sections {present}: a run trains one algorithm; keep one of them")
+        loop = self.offline
+        if loop is None:
+            return self
+        g = self.grpo
+        g.max_num_steps = loop.max_num_steps if loop.max_num_steps > 0 else UNBOUNDED_STEPS
+        g.max_num_epochs, self.run.seed = loop.max_num_epochs, loop.seed
+        g.num_prompts_per_step = self.policy.train_global_batch_size or g.num_prompts_per_step
+        g.num_generations_per_prompt = 1 if self.algorithm == "sft" else 2
+        if self.environments:
+            raise ValueError(f"environments: {self.algorithm} trains on data.train only (no rollout); remove them")
+        if self.algorithm == "rm" and self.policy.lora_cfg.enabled:
+            raise ValueError("rm with policy.lora_cfg: LoRA on the reward model's scalar head is not built")
+        if self.policy.megatron_cfg.enabled:
+            raise ValueError(f"{self.algorithm}: the offline step is the FSDP2 backend's; set "
+                             "policy.megatron_cfg.enabled=false")
+        if any(d.processor == "math_hf_data_processor" for d in self.data.train_sets()):
+            raise ValueError(f"data.train.processor: math_hf_data_processor makes GRPO prompts; {self.algorithm} "
+                             "reads SFT rows or preference pairs (sft_processor or none)")
+        return self
 
     @property
     def groups_in_flight(self) -> int:

@@ -43,6 +43,9 @@ NAMED_DATASETS = {
     "GSM8K": _GSM8K,
 }
 """NeMo RL dataset names Flywheel reads (from the hub where it is reachable, or from data_path)."""
+LOCAL_COPY_ONLY = ("squad", "HelpSteer3")
+"""The datasets of NeMo RL's sft.yaml, dpo.yaml and rm.yaml: read from data_path only, already in the row formats
+services/controller/data/offline.py reads (the name stays, e.g. for the logger names that interpolate it)."""
 
 
 class DatasetConfig(Section):
@@ -69,8 +72,9 @@ class DatasetConfig(Section):
     """A template with one `{}` for the problem (NeMo RL's cot.txt); null uses the problem as it is."""
     system_prompt_file: str | None = None
     """Text of a system message put before the prompt; null adds none."""
-    processor: Literal["math_hf_data_processor"] | None = None
-    """NeMo RL's math processor: prompt_file and system_prompt_file applied, answer as ground_truth."""
+    processor: Literal["math_hf_data_processor", "sft_processor"] | None = None
+    """NeMo RL's math processor: prompt_file and system_prompt_file applied, answer as ground_truth;
+    sft_processor (sft.yaml's): what an SFT run does with its rows anyway (services/controller/data/offline.py)."""
     env_name: str | None = None
     """The environment that scores this dataset (a built-in kind, e.g. math)."""
     repeat: int = Field(1, gt=0)
@@ -80,7 +84,10 @@ class DatasetConfig(Section):
     @model_validator(mode="after")
     def _known_source(self) -> DatasetConfig:
         name = self.dataset_name
-        if name not in (None, "ResponseDataset") and name not in NAMED_DATASETS:
+        if name in LOCAL_COPY_ONLY and not self.data_path:
+            raise ValueError(f"dataset_name {name!r}: reading it from the hub is not built; give data_path, a local "
+                             f"copy in NeMo RL's row format (SFT messages or input/output; prompt/chosen/rejected)")
+        if name not in (None, "ResponseDataset") and name not in NAMED_DATASETS and name not in LOCAL_COPY_ONLY:
             raise ValueError(f"dataset_name {name!r} is not built; known: ResponseDataset (with data_path), "
                              f"{', '.join(NAMED_DATASETS)}")
         return self

@@ -9,47 +9,18 @@ real checkpoint takes.
 
 from __future__ import annotations
 
-import functools
 import logging
-import string
-from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen2Config,
+                          Qwen3Config)
 
-from services.common.chat_template import require_chat_template
 from services.common.config import PolicyConfig
+from services.common.tokenizing import (PASSTHROUGH_TEMPLATE, TINY_CHARS, TINY_CHAT_TEMPLATE,  # noqa: F401 (re-exported)
+                                        TINY_SPECIALS, build_tiny_tokenizer, load_tokenizer, with_chat_template)
 
 log = logging.getLogger("flywheel.modeling")
-TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-TINY_CHARS = string.digits + string.ascii_lowercase + " :=+-*/()[]{}<>.,!?'\"\\_\n"
-# role initial + ":" per message, then "a:" to prompt the assistant; no hidden tokens. Tools offered go first, one
-# line "tools: add(a,b) ...". An assistant's tool calls follow its text in Hermes/Qwen form,
-# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, which vLLM's "hermes" parser reads; a tool's result is
-# a message like any other ("t:7").
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}"
-    "({{ (t['function']['parameters'] or {}).get('properties', {}) | join(',') }}){% endfor %}{{ '\\n' }}{% endif %}"
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] or '' }}"
-    "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
-    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
-"""Jinja's trim_blocks (on in transformers) drops a newline right after a tag: the newlines are expressions."""
-
-
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + list(TINY_CHARS))}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                  eos_token="<eos>", unk_token="<unk>")
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    return tok
 
 
 def model_config(cfg: PolicyConfig, vocab_size: int) -> PretrainedConfig:
@@ -93,34 +64,6 @@ def build_tiny_model(cfg: PolicyConfig, vocab_size: int, seed: int) -> PreTraine
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(cfg, vocab_size), dtype=torch.float32)
     return model
-
-
-PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-"""NeMo RL's passthrough_prompt_response: the messages' text joined, no special tokens (base models)."""
-
-
-def load_tokenizer(cfg: PolicyConfig):
-    if cfg.model_name == "tiny":
-        return with_chat_template(build_tiny_tokenizer(), cfg.tokenizer, "tiny")
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_name)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return with_chat_template(tok, cfg.tokenizer, cfg.tokenizer_name)
-
-
-def with_chat_template(tok, t, name: str, key: str = "policy.tokenizer"):
-    """policy.tokenizer.chat_template (null: passthrough; "default": the tokenizer's; else Jinja or a .jinja
-    file) and chat_template_kwargs, bound into apply_chat_template so every caller gets them, as in NeMo RL.
-    `name`, `key`: the tokenizer's origin and config section, for the error when it has no template."""
-    if t.chat_template is None:
-        tok.chat_template = PASSTHROUGH_TEMPLATE
-    elif t.chat_template.lower() != "default":
-        path = Path(t.chat_template)
-        tok.chat_template = path.read_text() if t.chat_template.endswith(".jinja") else t.chat_template
-    require_chat_template(tok, name, key)
-    if t.chat_template_kwargs:
-        tok.apply_chat_template = functools.partial(tok.apply_chat_template, **t.chat_template_kwargs)
-    return tok
 
 
 def check_vocab(rows: int, tokenizer, cfg: PolicyConfig) -> None:

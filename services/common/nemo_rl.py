@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
+from services.common.config_offline import OFFLINE_RULES
 from services.common.nemo_rl_optim import fused_adam
 from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
 
@@ -80,8 +81,9 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
     Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
          "the Hugging Face MoE layers as they are"),
-    Rule("policy.dtensor_cfg.env_vars", lambda v, _: not v, "environment variables for NeMo RL's DTensor workers: "
-         "set them in the trainer's own environment"),
+    Rule("policy.dtensor_cfg.env_vars", lambda v, _: not any((v or {}).values()), "environment variables for NeMo "
+         "RL's DTensor workers (an empty value, dpo.yaml's PYTORCH_CUDA_ALLOC_CONF, sets nothing): set them in the "
+         "trainer's own environment"),
     Rule("policy.dtensor_cfg.clear_cache_every_n_steps", any_, "emptying the CUDA cache: memory, not the math"),
     Rule("policy.lora_cfg.use_triton", any_, "a kernel choice (Triton or not); the LoRA math is the same"),
     Rule("policy.draft", off, "draft-model (speculative) training is not built"),
@@ -210,7 +212,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
         _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
-    rules = RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
+    rules = RULES + OFFLINE_RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
     _walk(out, copy.deepcopy(out), "", schema, rules, problems, notes)  # rules read the tree as written
     return out, problems, notes
 

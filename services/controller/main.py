@@ -45,6 +45,7 @@ from services.controller.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
 from services.controller import journal, poison
 from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts
+from services.controller.offline import serve_offline
 from services.controller.registry import Registry
 from services.controller.reporting import Reporting
 from services.controller.state import RunState, StateStore
@@ -434,6 +435,11 @@ async def _validation(cfg: FlywheelConfig, data: LoadedData, registry: Registry,
 async def serve(cfg: FlywheelConfig) -> None:
     setup_telemetry("controller", cfg.run.name, cfg.telemetry)
     bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="controller")
+    if cfg.algorithm != "grpo":  # SFT, DPO, RM: dataset rows to the trajectory stream, no environments
+        try:
+            return await serve_offline(cfg, bus)
+        finally:
+            await bus.close()
     registry = Registry(cfg)
     data = load_data(cfg)
     for spec in cfg.environments:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
 
 from services.common.config import LoRAConfig
 from services.trainer.checkpoint import STEP_DIR
@@ -50,7 +51,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     merged = {k: v.to(dtype) for k, v in merge_lora(state, lora.scale).items()} if lora.enabled else None
     out = Path(out)
     model.save_pretrained(out, state_dict=merged, safe_serialization=True)
-    GenerationConfig.from_pretrained(step_dir / "hf").save_pretrained(out)
+    if (step_dir / "hf" / "generation_config.json").exists():  # a reward model (rm:) has none
+        GenerationConfig.from_pretrained(step_dir / "hf").save_pretrained(out)
     AutoTokenizer.from_pretrained(step_dir / "hf").save_pretrained(out)
     return step_dir
 
@@ -80,7 +82,10 @@ def _load(checkpoint: str | Path):
     adapters, for a LoRA run), the names of the adapted modules)."""
     step_dir = resolve(checkpoint)
     policy = yaml.safe_load((step_dir / "config.yaml").read_text())["policy"]
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(step_dir / "hf"), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(step_dir / "hf")
+    scorer = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])  # an rm: run's
+    auto = AutoModelForSequenceClassification if scorer else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     lora = LoRAConfig.model_validate(policy.get("lora_cfg") or {})
     # The checkpoint holds the adapters beside the frozen base: the same modules get them before the load.
     adapted = apply_lora(model, lora, seed=0) if lora.enabled else []

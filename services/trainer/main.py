@@ -49,6 +49,7 @@ from services.trainer.batch import TrainBatch, batch_advantages, build_batch
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.distributed import (Lockstep, RankInfo, init_distributed, launch_ranks, rank_from_env,
                                           trainer_device)
+from services.trainer.offline import OfflineRun
 from services.trainer.step_metrics import step_metrics
 
 log = logging.getLogger("flywheel.trainer")
@@ -68,6 +69,12 @@ class RankWork:
 
     def train(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
         return self.backend.train_step(batch, advantages)
+
+    def train_offline(self, batch: TrainBatch) -> dict[str, float]:
+        return self.backend.offline_step(batch)
+
+    def validate(self, batch: TrainBatch) -> dict[str, float]:
+        return self.backend.validate(batch)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.backend.full_state_dict()
@@ -129,6 +136,8 @@ class Trainer:
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
         self.batches_path = Path(cfg.run.run_dir or ".") / "batches.jsonl"
         """One row per step: the groups it trained on (id, target step, version_start); the run's audit trail."""
+        self.offline = OfflineRun(cfg, self.work.backend.tokenizer) if cfg.algorithm != "grpo" else None
+        """SFT or DPO: no rollout to sync weights to, the offline step, validation by the loss (offline.py)."""
 
     def members(self) -> list[str]:
         now = time.monotonic()
@@ -154,9 +163,12 @@ class Trainer:
         started, limit_s = time.monotonic(), self.cfg.checkpointing.must_save_by_s
         try:
             start = await self._resume()
-            while not self.members() and not stop.is_set():
-                await asyncio.sleep(0.1)  # nothing to push the first weights to yet
-            await self._sync(start)
+            if self.offline is None:
+                while not self.members() and not stop.is_set():
+                    await asyncio.sleep(0.1)  # nothing to push the first weights to yet
+                await self._sync(start)
+            elif start == 0 and self.offline.due(0, final=False):
+                self.offline.record(0, await self._call("validate", self.offline.validation))
             t_prev = looping = time.perf_counter()
             for step in range(start, self.cfg.grpo.max_num_steps):
                 if stop.is_set():
@@ -258,12 +270,18 @@ class Trainer:
         t0 = time.perf_counter()
         batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
                             overlong_filtering=self.cfg.grpo.overlong_filtering)
-        advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
-        build_s = time.perf_counter() - t0
-        metrics = await self._call("train", batch, advantages)
+        if self.offline is None:
+            advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
+            build_s = time.perf_counter() - t0
+            metrics = await self._call("train", batch, advantages)
+        else:
+            adv_metrics, build_s = {}, time.perf_counter() - t0
+            metrics = await self._call("train_offline", batch)
         metrics = {k if k.startswith("timing/") else f"train/{k}": v for k, v in (metrics | adv_metrics).items()}
         train_s = time.perf_counter() - t0
-        sync_s = await self._sync(step + 1)
+        sync_s = await self._sync(step + 1) if self.offline is None else 0.0
+        if self.offline is not None and self.offline.due(step + 1, final=step + 1 == self.cfg.grpo.max_num_steps):
+            metrics |= self.offline.record(step + 1, await self._call("validate", self.offline.validation))
         metrics.update(timeline)
         metrics["timing/train/batch_build"] = build_s
         metrics.update(self.sync_phases)
@@ -302,6 +320,8 @@ class Trainer:
         name = self.cfg.checkpointing.metric_name
         if not self.cfg.checkpointing.ranks_by_validation:
             return {}
+        if self.offline is not None:  # the trainer validates an offline run itself
+            return dict(self.offline.validated)
         return await self.validations.read(f"checkpoint ranking by {name} (the checkpoints still due a validation "
                                            f"are kept)")
 

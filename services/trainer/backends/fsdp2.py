@@ -34,6 +34,8 @@ from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.forward import Forward
 from services.trainer.backends.full_weights import full_weights
+from services.trainer.backends.offline_step import offline_step, offline_validate
+from services.trainer.backends.reward_head import load_scorer
 from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
@@ -58,7 +60,8 @@ class FSDP2Backend(TrainingBackend):
         self.publish_dtype = getattr(torch, cfg.policy.precision)
         self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
-        model, self.tokenizer = load_policy(fp32, cfg.run.seed, self.device)
+        load = load_scorer if cfg.algorithm == "rm" else load_policy  # rm: a scalar head (reward_head.py)
+        model, self.tokenizer = load(fp32, cfg.run.seed, self.device)
         self.lora = cfg.policy.lora_cfg if cfg.policy.lora_cfg.enabled else None
         if self.lora:
             apply_lora(model, self.lora, cfg.run.seed)
@@ -68,13 +71,16 @@ class FSDP2Backend(TrainingBackend):
         self.tp_summed = grad_allreduce_params(self.model) if self.tp > 1 else []
         """Parameters whose gradients are summed over the TP group (after FSDP2 made them its own)."""
         self.reference = None
-        if cfg.loss_fn.reference_policy_kl_penalty > 0 and not self.lora:  # a frozen copy of the initial weights
+        wants_reference = cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.algorithm == "dpo"
+        if wants_reference and not self.lora:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
             self.reference = self._shard(reference.requires_grad_(False), offload=cuda)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # all but LoRA's frozen base
         self.optimizer = build_optimizer(trainable, cfg.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
-        self.forward = Forward(cfg.policy, cfg.policy.generation.temperature, self.device)
+        # Offline algorithms score data, not samples: NeMo RL's SFT and DPO take logprobs at temperature 1.
+        temperature = cfg.policy.generation.temperature if cfg.algorithm == "grpo" else 1.0
+        self.forward = Forward(cfg.policy, temperature, self.device)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
         """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
@@ -175,6 +181,13 @@ class FSDP2Backend(TrainingBackend):
         return _mean_over_steps(reports) | masking | {"timing/train/logprobs": t1 - t0,
                                                       "timing/train/optimizer": time.perf_counter() - t1}
 
+    def offline_step(self, b: TrainBatch) -> dict[str, float]:
+        """SFT or DPO: one optimizer step on the whole batch (offline_step.py)."""
+        return offline_step(self, b)
+
+    def validate(self, b: TrainBatch) -> dict[str, float]:
+        return offline_validate(self, b)
+
     def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
                         micro_batches: list[list[int]]) -> dict[str, float]:
         mask = b.token_mask[chunk] * b.sample_mask[chunk, None]
@@ -223,7 +236,8 @@ class FSDP2Backend(TrainingBackend):
     def hf_files(self, directory: Path) -> None:
         model = self.model
         model.config.save_pretrained(directory)
-        model.generation_config.save_pretrained(directory)
+        if getattr(model, "generation_config", None) is not None:  # a reward model generates nothing
+            model.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 
 
