@@ -4,6 +4,7 @@ tries each, as a test that forgot to ask for a free port would, and fails; a fre
 from __future__ import annotations
 
 import socket
+from concurrent import futures
 
 import grpc
 import pytest
@@ -18,8 +19,8 @@ def test_the_default_ports_are_the_configs():
 
 @pytest.mark.parametrize("port", default_ports())
 def test_a_server_on_a_default_port_cannot_start_during_the_suite(port):
-    server = grpc.aio.server()
-    with pytest.raises(RuntimeError):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # sync: needs no event loop
+    with pytest.raises(RuntimeError, match="Failed to bind"):
         server.add_insecure_port(f"127.0.0.1:{port}")
 
 
