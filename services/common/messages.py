@@ -14,6 +14,7 @@ import json
 
 from google.protobuf import json_format
 
+from services.common.errors import InvalidArgument, require
 from services.common.pb.flywheel.v1 import types_pb2
 
 
@@ -47,18 +48,27 @@ def arguments_text(arguments: object) -> str:
 
 
 def tools_to_dicts(tools) -> list[dict]:
-    """Repeated ToolDefinition -> OpenAI's `tools` list."""
+    """Repeated ToolDefinition -> OpenAI's `tools` list; InvalidArgument names a schema that is not a JSON object."""
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         function: dict = {"name": t.function.name}
         if t.function.description:
             function["description"] = t.function.description
         if t.function.parameters_json:
-            function["parameters"] = json.loads(t.function.parameters_json)
+            function["parameters"] = _schema(t.function.parameters_json, i)
         if t.function.strict:
             function["strict"] = True
         out.append({"type": t.type or "function", "function": function})
     return out
+
+
+def _schema(text: str, i: int) -> dict:
+    try:
+        schema = json.loads(text)
+    except ValueError as err:
+        raise InvalidArgument(f"tools[{i}].function.parameters_json is not JSON: {err}") from None
+    require(isinstance(schema, dict), f"tools[{i}].function.parameters_json must be a JSON object (a JSON Schema)")
+    return schema
 
 
 def tool_from_dict(d: dict) -> types_pb2.ToolDefinition:

@@ -80,6 +80,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request, context):
         require(len(request.messages) > 0, "messages must not be empty")
         require(1 <= request.n <= 64, f"n must be in 1..64, got {request.n}")
+        tools_to_dicts(request.tools)  # InvalidArgument for a schema that is not a JSON object
         check_sampling(request.sampling)
         check_episodes(request.max_turns, 0.0)
         require(request.env_name or not (request.max_turns or request.HasField("metadata")),
@@ -132,6 +133,7 @@ def check_group(group: types_pb2.PromptGroup, cfg: FlywheelConfig) -> None:
     require(1 <= group.num_generations <= n,
             f"num_generations must be in 1..{n} (grpo.num_generations_per_prompt), got {group.num_generations}")
     require(len(group.messages) > 0, "messages must not be empty")
+    tools_to_dicts(group.tools)  # InvalidArgument for a schema no chat template can render
     check_episodes(group.max_turns, group.reward_scale)
     check_sampling(group.sampling)
 

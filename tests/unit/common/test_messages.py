@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
+from services.common.errors import InvalidArgument
 from services.common.messages import dataset_row, message_from_dict, message_to_dict, tool_from_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import environment_pb2, types_pb2
 from services.controller.data.rows import RowError, Templates, to_row
@@ -77,3 +78,10 @@ def test_an_openai_format_dataset_row_keeps_its_tools_and_tool_turns():
 def test_malformed_tool_columns_are_refused_with_the_reason(record, match):
     with pytest.raises(RowError, match=match):
         to_row(record, None, None, Templates())
+
+
+@pytest.mark.parametrize("schema, why", [("{not json", "is not JSON"), ("[1, 2]", "must be a JSON object")])
+def test_a_tool_schema_that_is_not_a_json_object_is_invalid_argument(schema, why):
+    tool = types_pb2.ToolDefinition(function=types_pb2.FunctionDefinition(name="add", parameters_json=schema))
+    with pytest.raises(InvalidArgument, match=rf"tools\[1\].function.parameters_json {why}"):
+        tools_to_dicts([types_pb2.ToolDefinition(function=types_pb2.FunctionDefinition(name="ok")), tool])
