@@ -151,25 +151,12 @@ class ValidationLoop:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def resume(self) -> None:
-        """Runs again the validations a stopped controller had requested and not finished (its step reports
-        are not sent again), in order, before any new one."""
-        for version in await self.state.load_requested() if self.state is not None else ():
-            log.info("validation of version %d was cut short by a restart; running it again", version)
-            self.request(version)
-
     async def _run(self, version: int) -> None:
-        if self.state is not None:
-            try:
-                await self.state.save_requested(version)
-            except Exception:  # validate anyway; only a restart in the meantime would lose it
-                log.exception("validation of version %d: could not record the request", version)
         async with self._lock:
             try:
                 metrics, results = await self.validator.run()
             except Exception:  # a failed validation is logged; training goes on
                 log.exception("validation of version %d failed", version)
-                await self._forget(version)
                 return
         self.tracker.log(metrics, version)
         with (Path(self.cfg.run.run_dir or ".") / "validation.jsonl").open("a") as f:
@@ -179,17 +166,9 @@ class ValidationLoop:
                 await self.state.save_validated(version, metrics)
             except Exception:  # the checkpoint it would rank then counts as not validated
                 log.exception("validation of version %d: its metrics did not reach the run's state bucket", version)
-            await self._forget(version)
         log.info("validation v%d: %s", version, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         for line in sample_lines(results, self.cfg.logger.num_val_samples_to_print):
             log.info("validation sample v%d: %s", version, line)
-
-    async def _forget(self, version: int) -> None:
-        if self.state is not None:
-            try:
-                await self.state.forget_requested(version)
-            except Exception:  # a restarted controller would validate it again: a repeat, not a loss
-                log.exception("validation of version %d: could not mark it done", version)
 
     async def drain(self) -> None:
         """Waits for the validations already requested (the run's last one before shutdown)."""

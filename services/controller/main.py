@@ -10,12 +10,12 @@ Back-pressure is the admission rule itself (admission.py): nothing is leased for
 whose weights are more than k versions ahead of what rollout serves, so the work queue
 and the replay buffer hold at most (k + 1) * prompts_per_step groups of a healthy run.
 
-A lease is saved before it is published (journal.py): the run state that records it (cursors
-past its prompts, the groups themselves as pending) is in the bucket first, and a successor
-publishes the pending groups again. Each lease's group id is a function of the run's lease seed
-(saved before the first lease) and of what the lease is for (step t's i-th prompt, the
-replacement of group g), so a group published twice carries one message id and JetStream drops
-the second within the work stream's duplicate window (an hour: bus.WORK_DEDUP_WINDOW_S).
+A lease is published before the run state that records it is saved (state.py). A controller
+killed between the two leases the same groups again when it restarts: each lease's group id
+and prompt are functions of the run's lease seed (saved with the state before the first
+lease) and of what the lease is for (step t's i-th prompt, the replacement of group g), so
+the second publish carries the first one's message id and JetStream drops it, if it comes
+within the work stream's duplicate window (an hour: bus.WORK_DEDUP_WINDOW_S).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.controller.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
-from services.controller import journal, poison
+from services.controller import poison
 from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts
 from services.controller.offline import serve_offline
 from services.controller.registry import Registry
@@ -82,12 +82,6 @@ class Controller:
         self.poisoned = 0  # groups rollout gave up on (poison.py)
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
-        self.leasing = asyncio.Lock()
-        """Held from a lease's draw to its publish and over each save (journal.py)."""
-        self.pending: list[types_pb2.PromptGroup] = []
-        """Groups saved and not yet known to be published (journal.py)."""
-        self.retired: dict[str, int] = {}
-        """Group id -> target step of leases a stale or filtered announcement took back (_retire)."""
 
     @property
     def loaded_version(self) -> int:
@@ -100,21 +94,18 @@ class Controller:
         subs = [await self.bus.nc.subscribe(s.heartbeat, cb=self._on_heartbeat),
                 await self.bus.nc.subscribe(s.weights_loaded, cb=self._on_loaded),
                 await self.bus.nc.subscribe(s.train_step, cb=self._on_step),
-                await self.bus.consume(s.stale, "controller-stale", journal.locked(self.leasing, self._on_stale)),
-                await self.bus.consume(s.filtered, "controller-filtered",
-                                       journal.locked(self.leasing, self._on_filtered)),
-                await self.bus.consume(s.poisoned, "controller-poisoned",
-                                       journal.locked(self.leasing, self._on_poisoned))]
+                await self.bus.consume(s.stale, "controller-stale", self._on_stale),
+                await self.bus.consume(s.filtered, "controller-filtered", self._on_filtered),
+                await self.bus.consume(s.poisoned, "controller-poisoned", self._on_poisoned)]
         registered = asyncio.create_task(self._keep_registered())
         try:
             while not stop.is_set():
                 if self.fatal:
                     raise RunFailed(self.fatal)
-                async with self.leasing:
-                    if self.pending:  # an event's lease whose publish or record failed: again, or the controller stops
-                        await self._publish([])
-                    await self._lease_window()
-                    await self._save()
+                await self._lease_window()
+                if self.state is not None:
+                    await self.state.save(self.snapshot())
+                    await self.state.save_leases(self.leased)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), 0.5)
@@ -147,17 +138,16 @@ class Controller:
                 if group is None:
                     break
                 groups.append(group)
-            if len(groups) == g.num_prompts_per_step:
-                self.next_target = target + 1  # before the save that commits the window's groups
             await self._publish(groups)
             if len(groups) < g.num_prompts_per_step:
                 return
+            self.next_target = target + 1
         self._forget_consumed()
 
     def snapshot(self) -> RunState:
         entries = self.registry.all()
         return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
-                        poisoned=self.poisoned, pending=journal.encode(self.pending), retired=dict(self.retired),
+                        poisoned=self.poisoned,
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
@@ -170,18 +160,12 @@ class Controller:
             await self.state.save(self.snapshot())
             return
         self.next_target, self.releases, self.poisoned = saved.next_target, saved.releases, saved.poisoned
-        self.retired = saved.retired
         self.leased = await self.state.load_leases()
-        self.pending = journal.decode(saved.pending)
-        self.leased.update((g.group_id, g) for g in self.pending)
         self.lease_seed = saved.lease_seed or self.lease_seed  # a state saved before lease seeds had none
         for entry in self.registry.all():
             entry.cursor.seek(saved.offsets.get(entry.spec.name, 0))
             entry.leased = saved.leased.get(entry.spec.name, 0)
         log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, saved.offsets)
-        if self.pending:  # saved, maybe published: JetStream drops those it has (journal.py)
-            log.info("publishing again %d groups saved before the last stop", len(self.pending))
-            await self._publish([])
 
     async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
         """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
@@ -223,25 +207,22 @@ class Controller:
         return group
 
     async def _publish(self, groups: list[types_pb2.PromptGroup]) -> None:
-        """Saves, then publishes the groups (journal.py); the caller holds self.leasing."""
-        for group in groups:
-            group.leased_at_unix_ns = time.time_ns()
-            self.leased[group.group_id] = group
-        self.pending = [*self.pending, *groups]  # with any whose publish failed before (the run loop retries)
-        if self.state is not None:  # the commit point: the groups and the cursors past them, in one put
-            await self.state.save(self.snapshot())
-        await journal.publish(self.bus, self.tracer, self.pending)
-        if self.state is not None:  # their records first: a group leaves `pending` only once its record is saved
-            await self.state.save_leases(self.leased)
-        self.pending = []
-        await self._save()
-        for group in groups:
-            LEASED.labels(group.env_name).inc()
+        """Publishes the groups at once, not one broker round trip after another (16 leases: 0.6 ms instead of
+        2.1 on an idle machine): a rollout worker finds a step's groups in the queue together and its engine
+        batches them, instead of starting the first group alone. A failed publish raises; the controller then
+        stops, and its successor leases the saved window again (the module docstring)."""
 
-    async def _save(self) -> None:
-        if self.state is not None:
-            await self.state.save_leases(self.leased)
-            await self.state.save(self.snapshot())
+        async def publish(group: types_pb2.PromptGroup) -> None:
+            group.leased_at_unix_ns = time.time_ns()
+            with self.tracer.start_as_current_span("controller.lease", attributes={  # the group's trace starts here
+                    "flywheel.group_id": group.group_id, "flywheel.target_step": group.target_step,
+                    "flywheel.env": group.env_name}):
+                await self.bus.publish(self.bus.subjects.work, group, msg_id=group.group_id)
+
+        await asyncio.gather(*map(publish, groups))
+        for group in groups:
+            self.leased[group.group_id] = group
+            LEASED.labels(group.env_name).inc()
 
     def _group_id(self, key: str) -> str:
         return hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:32]
@@ -250,21 +231,6 @@ class Controller:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1
         for gid in [gid for gid, g in self.leased.items() if g.target_step < horizon]:
             del self.leased[gid]
-        self.retired = {gid: t for gid, t in self.retired.items() if t >= horizon}
-
-    def _retire(self, gid: str) -> types_pb2.PromptGroup | None:
-        """Takes a group that went stale or was filtered out of the leases, remembering that it was leased: it may be
-        the replacement of a group whose announcement comes again (see _leased_before)."""
-        old = self.leased.pop(gid, None)
-        if old is not None:
-            self.retired[gid] = old.target_step
-        return old
-
-    def _leased_before(self, key: str) -> bool:
-        """Whether the lease for `key` was made already: it is leased, or it was and has been replaced since. A
-        second lease would draw another prompt under the same group id, which JetStream drops: a prompt skipped."""
-        gid = self._group_id(key)
-        return gid in self.leased or gid in self.retired
 
     async def _on_heartbeat(self, msg) -> None:
         hb = types_pb2.RolloutHeartbeat.FromString(msg.data)
@@ -294,9 +260,9 @@ class Controller:
 
     async def _on_stale(self, msg) -> None:
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._leased_before(f"again/{gid}"):  # announced twice: replaced already
+            if self._group_id(f"again/{gid}") in self.leased:  # announced twice: replaced already
                 continue
-            old = self._retire(gid)
+            old = self.leased.pop(gid, None)
             self.releases += 1
             if old is not None:
                 # For the step that is waiting for data: the same prompt, unless its environment left the mix
@@ -312,9 +278,9 @@ class Controller:
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
         for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._leased_before(f"refill/{gid}"):  # announced twice: refilled already
+            if self._group_id(f"refill/{gid}") in self.leased:  # announced twice: refilled already
                 continue
-            old = self._retire(gid)  # None: forgotten, its step filled from later ones (see _on_stale)
+            old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
             target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
             self.refills[target] = self.refills.get(target, 0) + 1
             if self.refills[target] > refill_budget(self.cfg.grpo):
@@ -446,15 +412,12 @@ async def serve(cfg: FlywheelConfig) -> None:
         await registry.submit(spec_from_config(spec))
     await submit_data(cfg, registry, data)
     state = await StateStore.open(bus.js, cfg.run.name)
-    state.max_payload = bus.nc.max_payload
     await resubmit(registry, state)
     tracker = Tracker(cfg)
     reporting = Reporting(cfg, tracker, await _validation(cfg, data, registry, tracker, state),
                           replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
     controller = Controller(cfg, bus, registry, reporting, state)
     await controller.resume()
-    if reporting.validation is not None:
-        await reporting.validation.resume()
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(

@@ -1,12 +1,11 @@
 """The controller's share of run state, kept in a NATS KV bucket so a restarted controller goes on.
 
-    lease ──▶ RunState{next_target, cursor offsets, leased counts, releases, lease seed, pending} ──put──▶ key "controller"
+    lease window ──▶ RunState{next_target, cursor offsets, leased counts, releases, lease seed} ──put──▶ key "controller"
                  └─▶ groups leased and not yet trained ──put / purge──▶ keys "lease.<group id>"
     SubmitEnvironment / RemoveEnvironment ──put / purge──▶ keys "env.<name>" (the spec as submitted)
     controller start ──get──▶ RunState, leases, submitted specs ──▶ same mix, same next target, each
                               dataset cursor at its offset (epoch included), stale groups still re-leasable
-    a validation of version v requested ──put──▶ key "validating.<v>" ──▶ a restarted controller runs it again
-                              done ──put──▶ key "validated.<v>" (its metrics) ──▶ the trainer ranks checkpoints by them
+    a validation of version v ──put──▶ key "validated.<v>" (its metrics) ──▶ the trainer ranks checkpoints by them
 
 Dataset cursors are one integer each (data/plan.py), so the state is small and a restarted
 controller leases exactly the prompts that come next, never the epoch's first ones again, and a
@@ -22,13 +21,11 @@ from dataclasses import asdict, dataclass, field
 from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import VALIDATED, open_state_bucket, read_prefixed
-from services.common.errors import RunFailed
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 
 KEY = "controller"
 LEASE = "lease."
 SUBMITTED = "env."
-VALIDATING = "validating."
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,10 +41,6 @@ class RunState:
     """Part of every group id the run leases (main.py): a restarted controller's leases get the same ids."""
     poisoned: int = 0
     """Groups poisoned so far (poison.py): a restarted controller goes on counting toward rollout.max_poisoned_groups."""
-    pending: dict[str, str] = field(default_factory=dict)
-    """Groups saved and maybe not published (journal.py): group id -> serialized PromptGroup (base64)."""
-    retired: dict[str, int] = field(default_factory=dict)
-    """Group id -> target step of leases taken back by a stale or filtered announcement (main.py, _retire)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -64,8 +57,6 @@ class StateStore:
         self.js = js
         self.kv = kv
         self._last = b""
-        self.max_payload = 0
-        """The broker's largest message (Client.max_payload); 0: unchecked. The run state carries a lease's groups."""
         self._stored: set[str] = set()
         """Group ids whose lease is in the bucket."""
 
@@ -115,25 +106,8 @@ class StateStore:
         """A validation's metrics, for the trainer to rank checkpoints by (checkpointing.metric_name val:...)."""
         await self.kv.put(f"{VALIDATED}{version}", json.dumps(metrics).encode())
 
-    async def save_requested(self, version: int) -> None:
-        """A validation requested and not finished: a restarted controller runs it again (evaluation.py)."""
-        await self.kv.put(f"{VALIDATING}{version}", b"")
-
-    async def forget_requested(self, version: int) -> None:
-        await self.kv.purge(f"{VALIDATING}{version}")
-
-    async def load_requested(self) -> list[int]:
-        """The versions requested and not validated (one killed after its metrics were saved is done)."""
-        done = {key.removeprefix(VALIDATED) for key in await self._values(VALIDATED)}
-        return sorted(int(v) for v in (key.removeprefix(VALIDATING) for key in await self._values(VALIDATING))
-                      if v not in done)
-
     async def save(self, state: RunState) -> None:
         data = state.encode()
-        if self.max_payload and len(data) > self.max_payload:  # every restart would fail the same way
-            raise RunFailed(f"the controller's run state with a lease window's groups is {len(data)} bytes, more than "
-                            f"NATS's max_payload ({self.max_payload}): lower grpo.num_prompts_per_step, shorten the "
-                            f"prompts, or raise nats-server's max_payload")
         if data != self._last:  # most lease windows change nothing
             await self.kv.put(KEY, data)
             self._last = data
