@@ -100,7 +100,7 @@ def test_an_unreadable_state_bucket_ranks_nothing_rather_than_failing_the_save(n
     async def read_after_the_connection_is_gone() -> dict:
         bus = await Bus.connect(nats_server.url, RUN, name="trainer")
         await bus.close()
-        return await Trainer._validated(SimpleNamespace(cfg=cfg, validations=Validations(bus, RUN)))
+        return await Trainer._validated(SimpleNamespace(cfg=cfg, offline=None, validations=Validations(bus, RUN)))
 
     assert asyncio.run(read_after_the_connection_is_gone()) == {}
     assert "cannot be read" in caplog.text
