@@ -119,6 +119,7 @@ async def test_calls_after_the_episode_ended_are_refused_and_reach_no_other_epis
     await register(stub, "copy")
     first = await groups.run(prompt_group("late"), endpoint, engine.version, "w")
     assert len(first.completions) == G
+    Path(f"{log}.go").touch()  # the escaped children start calling now that their episodes have closed
     # The next group's episodes run while the escaped children keep calling with their old sessions.
     second = await groups.run(prompt_group("copy", digit=1), endpoint, engine.version, "w")
     for _ in range(200):
