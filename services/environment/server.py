@@ -154,7 +154,11 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         return environment_pb2.RegisterResponse()
 
     async def install(self, name: str, env: Named, source: str) -> None:
-        """Serves `env` under `name` (List shows `source`), retiring what had the name."""
+        """Serves `env` under `name` (List shows `source`), retiring what had the name. A built-in kind's name
+        serves only that kind, so a Step to it reaches the built-in whatever else was registered."""
+        if name in BUILTIN and source != f"builtin:{name}":
+            raise InvalidArgument(f"{name!r} is the name of a built-in kind and serves only that kind; register "
+                                  f"{source} under a name of its own")
         await self._drop(name)
         await self._forget_retired(name)
         self.named[name], self.sources[name] = env, source

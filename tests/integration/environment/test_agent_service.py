@@ -77,6 +77,22 @@ async def test_agent_environment_is_listed_described_and_refused_by_step(stubs):
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
+async def test_a_built_in_kinds_name_serves_only_that_kind(stubs):
+    agents, envs = stubs
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await register(agents, "toy_copy", ECHO)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await envs.Register(environment_pb2.RegisterRequest(name="math", kind="toy_copy"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await envs.Register(environment_pb2.RegisterRequest(name="math", kind="math"))  # its own kind: allowed
+    step = await envs.Step(environment_pb2.StepRequest(env_name="toy_copy", episodes=[environment_pb2.Episode(
+        messages=[types_pb2.ChatMessage(role="user", content="copy 3"),
+                  types_pb2.ChatMessage(role="assistant", content="3")], metadata={"ground_truth": "3"})]))
+    assert [r.reward for r in step.results] == [1.0]
+    assert (await envs.List(environment_pb2.ListRequest())).registered["math"] == "builtin:math"
+
+
 @pytest.mark.parametrize("spec", [{"type": "nope"}, {"type": "program", "command": []},
                                   {"type": "program", "command": ["x"], "unknown": 1}, {}])
 async def test_a_bad_agent_spec_is_invalid_argument(stubs, spec):
