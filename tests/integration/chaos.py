@@ -83,14 +83,17 @@ def run_chaos(run_dir: Path, steps: int, seed: int, overrides: list[str] = ()) -
     with LocalStack(cfg, run_dir) as stack, _redis(stack) as client:
         records, done = StepRecords(client, stack.cfg.run.name), threading.Event()
         poller = threading.Thread(target=_poll, args=(records, done), daemon=True)
+        watcher = threading.Thread(target=records.monitor, args=(done,), daemon=True)
         stack.start_services()
         poller.start()
+        watcher.start()
         for fault in schedule(seed, steps):
             stack.wait_for(lambda rows, n=fault.step: len(rows) >= n, f"step {fault.step}", timeout_s=300)
             observed.append(inject(stack, fault))
         stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=600)
         done.set()
         poller.join()
+        watcher.join()
         return observed, audit(stack, client, records, steps, cfg.grpo.max_staleness)
 
 

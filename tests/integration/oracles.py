@@ -10,7 +10,9 @@ batches.jsonl, which the trainer rewrites on resume).
   whose bytes are gone or another group's bytes is caught.
 - `StepRecords`: each step's batch as replay recorded it in Redis, read while the run goes on (a Commit deletes the
   records of checkpointed steps), so a record that changes afterwards, a step never recorded, or a group in two
-  steps' records is seen, and the trainer's consumed batches are compared with it.
+  steps' records is seen, and the trainer's consumed batches are compared with it. Redis's MONITOR stream of the
+  RPUSHes that wrote each record backs the polls up: a record written and committed between two polls (the step
+  before a checkpoint, on a loaded machine) is still seen.
 
 What these cannot see: a group JetStream never stored (its publisher was told so and retries), and which ids a
 publisher was acked (the stream drops acked messages; a per-id list of published groups still comes from the
@@ -134,6 +136,31 @@ class StepRecords:
         self.prefix = key_prefix(run)
         self.first: dict[int, list[str]] = {}
         self.rewritten: dict[int, list[str]] = {}
+        self.pushed: dict[int, list[str]] = {}
+        """Each step's ids as MONITOR saw them pushed, until the record was first deleted."""
+        self._closed: set[int] = set()
+
+    def monitor(self, done) -> None:
+        """Follows MONITOR until `done` is set (a threading.Event), reconnecting while Redis restarts. Commands a
+        Lua script runs are in the stream, so replay's RPUSHes and a Commit's DELs of `choice:<s>` are seen."""
+        kwargs = self.client.connection_pool.connection_kwargs
+        watcher = redis.Redis(host=kwargs["host"], port=kwargs["port"], password=kwargs.get("password"),
+                              socket_timeout=5.0)
+        record = self.prefix + "choice:"
+        while not done.is_set():
+            try:
+                with watcher.monitor() as stream:
+                    while not done.is_set():
+                        op, key, *ids = stream.next_command()["command"].split(" ") + [""]
+                        if not key.startswith(record):
+                            continue
+                        step = int(key.rsplit(":", 1)[1])
+                        if op.upper() == "RPUSH" and step not in self._closed:
+                            self.pushed.setdefault(step, []).extend(i for i in ids if i)
+                        elif op.upper() == "DEL":
+                            self._closed.add(step)
+            except (redis.exceptions.RedisError, OSError, ValueError):
+                done.wait(0.2)  # a read timeout with nothing to see, or Redis killed and restarting
 
     def poll(self) -> None:
         for key in self.client.scan_iter(match=self.prefix + "choice:*", count=1000):
@@ -148,6 +175,8 @@ class StepRecords:
     def problems(self, steps: int, trained: dict[int, list[str]]) -> list[str]:
         """Steps 0..steps-1 each recorded once and never changed, no group in two steps' records, and the
         trainer's consumed batch of each step (`trained`) the one replay recorded."""
+        for step, ids in self.pushed.items():
+            self.first.setdefault(step, ids)  # written and committed between two polls
         out = [f"step {s}'s record changed from {self.first[s][:2]}... to {ids[:2]}..."
                for s, ids in sorted(self.rewritten.items())]
         if sorted(self.first) != list(range(steps)):
