@@ -64,11 +64,17 @@ def _find_binary(name: str, extra: list[Path]) -> str:
     return found
 
 
+# Looked up here, in the parent: the forked child of a process with many threads (gRPC's, torch's) must not
+# dlopen, whose locks another thread may have held at the fork; it aborted nats-server's start (SIGABRT) now and
+# then in full test runs.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
 def die_with_parent() -> None:
     """Popen's preexec_fn: the child is killed when the thread that started it dies (Linux's
     PR_SET_PDEATHSIG), so even a launcher killed with SIGKILL leaves no server or service behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if _prctl is not None:
+        _prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen) -> None:
