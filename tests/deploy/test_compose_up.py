@@ -137,7 +137,7 @@ def test_compose_up_with_the_cpu_override_trains_and_leaves_nothing_running(tmp_
             print(f"{image} built in {time.monotonic() - t0:.0f} s")
         t0 = time.monotonic()
         up = compose_run("up", "-d")
-        assert up.returncode == 0, up.stdout + up.stderr
+        assert up.returncode == 0, up.stdout + up.stderr + compose_run("logs", "--no-color", "--tail", "40").stdout
         trainer = compose_run("ps", "-q", "trainer-cpu").stdout.strip()
         assert trainer, compose_run("ps").stdout
         waited = _run(["docker", "wait", trainer], 1200)
