@@ -63,6 +63,18 @@ def _argv(pid: int) -> list[str]:
         return []
 
 
+def _exec_argv(pid: int) -> list[str]:
+    """The command line a child runs, once it has exec'd: until then /proc shows it empty or as its parent's (a
+    large parent forks slowly, so a child just started is often caught there)."""
+    own = _argv(os.getpid())
+
+    def execd() -> list[str] | None:
+        argv = _argv(pid)
+        return argv if argv and argv != own else None
+
+    return _until(execd, 10) or []
+
+
 def _parent(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -103,7 +115,7 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
     """Apply `fault` to the stack's child `fault.target`; for a kill, supervise until its successor runs."""
     pid = stack.children.procs[fault.target].pid
     if fault.action == "kill":
-        identity = _identity(_argv(pid))
+        identity = _identity(_exec_argv(pid))
         os.kill(pid, signal.SIGKILL)
         died = bool(_until(lambda: state(pid) in (None, "Z"), 10))
 
