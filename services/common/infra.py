@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -77,11 +78,15 @@ def die_with_parent() -> None:
         _prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen) -> None:
+def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen, log_file=None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+            said = ""
+            if hasattr(log_file, "seek"):
+                log_file.seek(0)
+                said = "; it said:\n" + log_file.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}{said}")
         try:
             if check():
                 return
@@ -126,10 +131,22 @@ def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL, t
     if token:
         _private_file(auth, f'authorization {{\n  token: "{token}"\n}}\n')
     args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js", "-sd", str(store_dir)]
-    proc = subprocess.Popen(args + (["-c", str(auth)] if auth.exists() else []), stdout=log_file, stderr=log_file,
-                            preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
-    _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc)
+
+    def start() -> subprocess.Popen:
+        out = tempfile.TemporaryFile() if log_file is subprocess.DEVNULL else log_file
+        proc = subprocess.Popen(args + (["-c", str(auth)] if auth.exists() else []), stdout=out, stderr=out,
+                                preexec_fn=die_with_parent)
+        _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc, out)
+        return proc
+
+    # Started a second time if the first dies while starting: in full test runs nats-server 2.15 now and then
+    # aborts (SIGABRT) at start-up, cause not found yet; what it printed goes to stderr.
+    try:
+        proc = start()
+    except RuntimeError as err:
+        print(f"start_nats: {err}; starting it again", file=sys.stderr, flush=True)
+        proc = start()
     return Server(proc, f"nats://127.0.0.1:{port}", port)
 
 
