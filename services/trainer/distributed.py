@@ -19,7 +19,6 @@ runs it, so all ranks enter the same collectives in the same order and none can 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -35,12 +34,11 @@ import torch
 import torch.distributed as dist
 
 from services.common.config import FlywheelConfig, dump_config
-from services.common.infra import child_env, free_port
+from services.common.infra import child_env, dying_with_parent, free_port
 
 log = logging.getLogger("flywheel.trainer")
 FOLLOWER_GRACE_S = 2.0
 STOP_WAIT_S = 2.0
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +145,6 @@ class Lockstep:
         return box[0]
 
 
-def _die_with_parent() -> None:
-    """Child side of Popen: SIGKILL this rank when the launcher dies (even by kill -9)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def launch_ranks(cfg: FlywheelConfig, nproc: int) -> int:
     """Start `nproc` trainer ranks on this node and wait for them; returns the exit code.
 
@@ -164,9 +157,8 @@ def launch_ranks(cfg: FlywheelConfig, nproc: int) -> int:
     config.write_text(dump_config(cfg))
     base = child_env() | {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "trainer", "--config", str(config)],
-                              env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, preexec_fn=_die_with_parent)
-             for r in range(nproc)]
+    argv = dying_with_parent([sys.executable, "-m", "services.cli", "serve", "trainer", "--config", str(config)])
+    procs = [subprocess.Popen(argv, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: procs[0].send_signal(signum))
     return _watch(procs)

@@ -64,13 +64,14 @@ def _argv(pid: int) -> list[str]:
 
 
 def _exec_argv(pid: int) -> list[str]:
-    """The command line a child runs, once it has exec'd: until then /proc shows it empty or as its parent's (a
-    large parent forks slowly, so a child just started is often caught there)."""
+    """The command line a child runs, once it has exec'd: until then /proc shows it empty, as its parent's (a
+    large parent forks slowly, so a child just started is often caught there) or as setpriv's
+    (infra.dying_with_parent)."""
     own = _argv(os.getpid())
 
     def execd() -> list[str] | None:
         argv = _argv(pid)
-        return argv if argv and argv != own else None
+        return argv if argv and argv != own and os.path.basename(argv[0]) != "setpriv" else None
 
     return _until(execd, 10) or []
 
