@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import logging
 import sys
+import time
 
 from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
 from services.common.devices import checked_plan
@@ -107,9 +108,10 @@ def cmd_collect(args) -> int:
     from services.collect import collect_command
     from services.evaluate import exported_if_checkpoint
 
-    model = exported_if_checkpoint(args.model, args.run_dir) if args.model else None
+    run_dir = args.run_dir or time.strftime("runs/collect-%Y%m%d-%H%M%S")  # a checkpoint is exported into it
+    model = exported_if_checkpoint(args.model, run_dir) if args.model else None
     cfg, _ = load(args.config, [*args.overrides, *_model_data_n(model, args.data, args.n)])
-    return collect_command(cfg, args.out, args.run_dir)
+    return collect_command(cfg, args.out, run_dir)
 
 
 def _model_data_n(model: str | None, data: str | None, n: int | None) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 from services.common.config import FlywheelConfig
@@ -54,8 +53,8 @@ def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> int:
     return len(lines)
 
 
-def collect_command(cfg: FlywheelConfig, out: str, run_dir: str | None) -> int:
-    logs = Path(run_dir or f"runs/collect-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+def collect_command(cfg: FlywheelConfig, out: str, run_dir: str) -> int:
+    logs = Path(run_dir).resolve()
     n = cfg.grpo.val_num_generations_per_prompt
     print(f"collect: {cfg.policy.model_name}, {n} rollouts per prompt, services' logs in {logs}", flush=True)
     count = run_collect(cfg, Path(out), logs)
