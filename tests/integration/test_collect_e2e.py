@@ -1,7 +1,9 @@
 """`flywheel collect` on the tiny model with two built-in environments (toy_copy, and tool_add with vLLM's hermes
 parser): the file has prompts × n lines, every line is read by `flywheel data from-gym`'s reader and accepted by
 NeMo Gym's own model of a rollouts.jsonl line, and each reward is what the environment's class gives when the
-episode is replayed through it turn by turn (the oracle, outside rollout and the environment service)."""
+episode is replayed through it turn by turn (the oracle, outside rollout and the environment service). With the
+briefly supervised tiny model (slow: the session's tool_model, 75 s to make here) the tool calls come through as
+function_call items."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from gym_schema import nemo_gym_reads
 
 from services.controller.data.from_gym import read_rollouts
@@ -41,19 +44,16 @@ def _ground_truth(prompt: list[dict]) -> dict:
     return {"ground_truth": words[1] if words[0] == "copy" else str(int(words[1]) + int(words[2]))}
 
 
-def test_collect_writes_prompts_times_n_rollouts_that_both_readers_accept_with_the_environments_rewards(tmp_path):
+def _collect(tmp_path, *args: str) -> list[dict]:
+    """Runs `flywheel collect`; its lines, each checked against both readers and the environment's own score."""
     out = tmp_path / "rollouts.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "collect", "--n", str(N), "--out", str(out), "--run-dir",
-         str(tmp_path / "run"), f"grpo.max_val_samples={PROMPTS}", "policy.generation.tool_parser=hermes",
-         "environments=[{name: copy, kind: toy_copy}, {name: calc, kind: tool_add, max_turns: 2}]"],
+         str(tmp_path / "run"), f"grpo.max_val_samples={PROMPTS}", "policy.generation.tool_parser=hermes", *args],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == PROMPTS * N
-    assert {line["env_name"] for line in lines} == {"copy", "calc"}
-    assert all(line["responses_create_params"].get("tools") for line in lines if line["env_name"] == "calc")
-
     rollouts, drops = read_rollouts(out)
     assert drops == [] and len(rollouts) == PROMPTS * N
     assert nemo_gym_reads(out) == PROMPTS * N
@@ -61,3 +61,24 @@ def test_collect_writes_prompts_times_n_rollouts_that_both_readers_accept_with_t
         env = ENVIRONMENTS[line["env_name"]]
         assert r.episode and r.episode[0]["role"] == "assistant"
         assert r.reward == _replayed_reward(env, r.prompt, r.episode, _ground_truth(r.prompt)), line
+    return lines
+
+
+def test_collect_writes_prompts_times_n_rollouts_that_both_readers_accept_with_the_environments_rewards(tmp_path):
+    lines = _collect(tmp_path, "environments=[{name: copy, kind: toy_copy}, {name: calc, kind: tool_add, max_turns: 2}]")
+    assert {line["env_name"] for line in lines} == {"copy", "calc"}
+    assert all(line["responses_create_params"].get("tools") for line in lines if line["env_name"] == "calc")
+
+
+@pytest.mark.slow
+def test_collected_tool_calls_are_function_call_items_answered_by_the_tools_output(tmp_path, tool_model):
+    """The briefly supervised tiny model (tests/tool_demos.py) calls add(a, b): each call the rollout worker's parser
+    read is a function_call item, the tool's result a function_call_output with its call_id, then the answer."""
+    lines = _collect(tmp_path, "--model", tool_model, "policy.max_total_sequence_length=256",
+                     "policy.generation.max_new_tokens=80", "environments=[{name: calc, kind: tool_add, max_turns: 2}]")
+    calls = [line for line in lines if line["response"]["output"][0]["type"] == "function_call"]
+    assert calls, [line["response"]["output"] for line in lines]
+    for line in calls:
+        call, result = line["response"]["output"][:2]
+        assert result["type"] == "function_call_output" and result["call_id"] == call["call_id"]
+    assert 0 < sum(line["reward"] for line in lines) < len(lines)  # right and wrong answers both come through
