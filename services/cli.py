@@ -7,7 +7,8 @@
     flywheel status [--json]                                    where a running job is (env and status find
                                                                 the local run: newest live runs/*/, or --run-dir)
     flywheel eval [--config F] [--model M] [--data D] [--n N]  accuracy and pass@n of a model on a dataset
-    flywheel collect [--config F] [--model M] [--data D] [--n N] --out R.jsonl   NeMo Gym rollouts.jsonl, no training
+    flywheel collect [--config F] [--model M] [--data D] [--n N] [--out R]
+                                                                NeMo Gym rollouts.jsonl of a model, no training
     flywheel config check|show [--config] F [key=value ...]     validate, or print the resolved config; runs nothing
     flywheel data from-gym ROLLOUTS --to sft|dpo --out F.jsonl  NeMo Gym rollouts -> an SFT or DPO dataset
 

@@ -29,7 +29,7 @@ from services.local import LocalStack
 
 def eval_prompts(cfg: FlywheelConfig):
     if cfg.policy.generation.backend != "hf":
-        raise ConfigError("config error: policy.generation.backend: flywheel eval needs hf (rollout's vLLM engine "
+        raise ConfigError("config error: policy.generation.backend: flywheel eval and collect need hf (rollout's vLLM engine "
                           "starts from random weights and takes real ones from the trainer)")
     try:
         prompts = validation_prompts(cfg, load_data(cfg).validation)

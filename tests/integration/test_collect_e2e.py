@@ -65,7 +65,8 @@ def _collect(tmp_path, *args: str) -> list[dict]:
 
 
 def test_collect_writes_prompts_times_n_rollouts_that_both_readers_accept_with_the_environments_rewards(tmp_path):
-    lines = _collect(tmp_path, "environments=[{name: copy, kind: toy_copy}, {name: calc, kind: tool_add, max_turns: 2}]")
+    mix = "environments=[{name: copy, kind: toy_copy}, {name: calc, kind: tool_add, max_turns: 2}]"
+    lines = _collect(tmp_path, mix)
     assert {line["env_name"] for line in lines} == {"copy", "calc"}
     assert all(line["responses_create_params"].get("tools") for line in lines if line["env_name"] == "calc")
 
