@@ -56,7 +56,7 @@ def _collect(tmp_path, *args: str) -> list[dict]:
     assert len(lines) == PROMPTS * N
     rollouts, drops = read_rollouts(out)
     assert drops == [] and len(rollouts) == PROMPTS * N
-    assert nemo_gym_reads(out) == PROMPTS * N
+    assert nemo_gym_reads(out) == (PROMPTS * N, pytest.approx(sum(line["reward"] for line in lines) / len(lines)))
     for line, r in zip(lines, rollouts, strict=True):
         env = ENVIRONMENTS[line["env_name"]]
         assert r.episode and r.episode[0]["role"] == "assistant"

@@ -63,5 +63,5 @@ def test_named_rewards_are_top_level_keys_and_never_replace_the_lines_own():
 
 
 def test_nemo_gyms_own_model_accepts_the_lines(tmp_path):
-    path = _write(tmp_path, [_line(TOOL_EPISODE), _line(PLAIN_EPISODE, tools=None, rollout_index=1)])
-    assert nemo_gym_reads(path) == 2
+    path = _write(tmp_path, [_line(TOOL_EPISODE), _line(PLAIN_EPISODE, tools=None, reward=0.5, rollout_index=1)])
+    assert nemo_gym_reads(path) == (2, 0.75)
