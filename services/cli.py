@@ -7,6 +7,8 @@
     flywheel status [--json]                                    where a running job is (env and status find
                                                                 the local run: newest live runs/*/, or --run-dir)
     flywheel eval [--config F] [--model M] [--data D] [--n N]  accuracy and pass@n of a model on a dataset
+    flywheel collect [--config F] [--model M] [--data D] [--n N] [--out R]
+                                                                NeMo Gym rollouts.jsonl of a model, no training
     flywheel config check|show [--config] F [key=value ...]     validate, or print the resolved config; runs nothing
     flywheel data from-gym ROLLOUTS --to sft|dpo --out F.jsonl  NeMo Gym rollouts -> an SFT or DPO dataset
 
@@ -21,6 +23,7 @@ import asyncio
 import importlib
 import logging
 import sys
+import time
 
 from services.common.config import ConfigError, FlywheelConfig, dump_config, load, load_config
 from services.common.devices import checked_plan
@@ -98,11 +101,25 @@ def cmd_eval(args) -> int:
     from services.evaluate import eval_command, exported_if_checkpoint
 
     model = exported_if_checkpoint(args.model, args.run_dir) if args.model else None
-    extra = [f"policy.model_name={model}"] if model else []
-    extra += [f"grpo.val_num_generations_per_prompt={args.n}"] if args.n else []
-    extra += [f"++data.validation={{data_path: {args.data}}}"] if args.data else []
-    cfg, _ = load(args.config, [*args.overrides, *extra])
+    cfg, _ = load(args.config, [*args.overrides, *_model_data_n(model, args.data, args.n)])
     return eval_command(cfg, args.run_dir)
+
+
+def cmd_collect(args) -> int:
+    from services.collect import collect_command
+    from services.evaluate import exported_if_checkpoint
+
+    run_dir = args.run_dir or time.strftime("runs/collect-%Y%m%d-%H%M%S")  # a checkpoint is exported into it
+    model = exported_if_checkpoint(args.model, run_dir) if args.model else None
+    cfg, _ = load(args.config, [*args.overrides, *_model_data_n(model, args.data, args.n)])
+    return collect_command(cfg, args.out, run_dir)
+
+
+def _model_data_n(model: str | None, data: str | None, n: int | None) -> list[str]:
+    """eval's and collect's --model, --data and --n as config overrides."""
+    extra = [f"policy.model_name={model}"] if model else []
+    extra += [f"grpo.val_num_generations_per_prompt={n}"] if n else []
+    return extra + ([f"++data.validation={{data_path: {data}}}"] if data else [])
 
 
 def cmd_config(args) -> int:
@@ -203,6 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "grpo.val_num_generations_per_prompt)")
     ev.add_argument("--run-dir", help="where eval.json and eval_samples.jsonl go (default: runs/eval-<time>)")
     ev.set_defaults(func=cmd_eval)
+
+    co = with_config(sub.add_parser("collect", help="NeMo Gym's rollouts.jsonl (responses_create_params, response "
+                                    "with its output items, reward, named rewards) from the eval prompts and a model, "
+                                    "without training; `flywheel data from-gym` reads it (docs/data.md)"))
+    co.add_argument("--model", help="Hugging Face id or directory, or a trainer checkpoint (exported first) "
+                    "(default: policy.model_name)")
+    co.add_argument("--data", help="prompts (default: data.validation, else what the environments generate)")
+    co.add_argument("--n", type=int, help="rollouts per prompt (default: grpo.val_num_generations_per_prompt)")
+    co.add_argument("--out", default="rollouts.jsonl", help="the rollouts file to write (default: rollouts.jsonl)")
+    co.add_argument("--run-dir", help="where the services' logs go (default: runs/collect-<time>)")
+    co.set_defaults(func=cmd_collect)
 
     config = sub.add_parser("config", help="validate a config (check) or print it resolved (show)")
     config.add_argument("action", choices=("check", "show"))

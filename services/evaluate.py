@@ -29,7 +29,7 @@ from services.local import LocalStack
 
 def eval_prompts(cfg: FlywheelConfig):
     if cfg.policy.generation.backend != "hf":
-        raise ConfigError("config error: policy.generation.backend: flywheel eval needs hf (rollout's vLLM engine "
+        raise ConfigError("config error: policy.generation.backend: flywheel eval and collect need hf (rollout's vLLM engine "
                           "starts from random weights and takes real ones from the trainer)")
     try:
         prompts = validation_prompts(cfg, load_data(cfg).validation)
@@ -49,7 +49,7 @@ def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
         stack.start_reward_model()
         for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
             stack.children.start(name, service, stack.config_path)
-        metrics, results = asyncio.run(_score(stack.cfg, prompts))
+        _, metrics, results = asyncio.run(scored(stack.cfg, prompts))
     (run_dir / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
     with (run_dir / "eval_samples.jsonl").open("w") as f:
         for p in results:
@@ -57,7 +57,8 @@ def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
     return metrics
 
 
-async def _score(cfg: FlywheelConfig, prompts):
+async def scored(cfg: FlywheelConfig, prompts):
+    """(the prompts scored, generated ones included; metrics; each prompt's PromptResult, in prompt order)."""
     rollout = channel(cfg.addresses.rollout, security=cfg.security)
     registry = Registry(cfg)
     try:
@@ -67,7 +68,7 @@ async def _score(cfg: FlywheelConfig, prompts):
             prompts = await generated_prompts(cfg, registry)
         validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(rollout),
                               n=cfg.grpo.val_num_generations_per_prompt)
-        return await validator.run()
+        return (prompts, *await validator.run())
     finally:
         await rollout.close()
         await registry.close()

@@ -50,6 +50,8 @@ class PromptResult:
     texts: list[str] = field(default_factory=list)
     version: int = -1
     """Policy version that generated these samples (the lowest, if weights changed in between)."""
+    completions: list = field(default_factory=list)
+    """The Completion messages Generate answered, with each episode's messages (`flywheel collect` writes them)."""
 
 
 def summarize(results: list[PromptResult], k: int) -> dict[str, float]:
@@ -97,7 +99,7 @@ class Validator:
         completions = list(generated.completions)
         return PromptResult(prompt=prompt.messages[-1].content, rewards=[c.reward for c in completions],
                             lengths=[sum(c.generated_mask) for c in completions], texts=[c.text for c in completions],
-                            version=min(c.version_start for c in completions))
+                            version=min(c.version_start for c in completions), completions=completions)
 
 
 async def generated_prompts(cfg: FlywheelConfig, registry) -> list[types_pb2.PromptGroup]:

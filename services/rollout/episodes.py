@@ -98,8 +98,12 @@ class EpisodeRunner:
         """data.max_input_seq_length: a prompt of this many tokens or more is kept out of the loss."""
 
     async def run(self, group: types_pb2.PromptGroup, worker_id: str,
-                  generated: Callable[[], Awaitable[None]] | None = None) -> types_pb2.TrajectoryGroup:
-        """`generated` is awaited once the group needs the engine no more: after its last possible turn is
+                  generated: Callable[[], Awaitable[None]] | None = None, *, with_messages: bool = False
+                  ) -> types_pb2.TrajectoryGroup:
+        """With `with_messages`, each completion carries its episode's messages after the prompt (Generate's
+        answer, which `flywheel collect` writes as Responses items); the trajectory stream trains on tokens only.
+
+        `generated` is awaited once the group needs the engine no more: after its last possible turn is
         generated, before that turn's Step (or after the Step that ended every episode early). The worker
         gives the group's engine slot to the next group there, so scoring and publishing overlap generation."""
         tok = self.engine.tokenizer
@@ -145,7 +149,9 @@ class EpisodeRunner:
             token_ids=e.token_ids, generated_mask=e.generated_mask, generation_logprobs=e.logprobs,
             version_start=e.version_start, version_end=e.version_end, reward=e.reward * scale,
             named_rewards={k: v * scale for k, v in e.named_rewards.items()}, text=e.text,
-            truncated=e.truncated, turns=e.turns, answer=e.answer) for e in episodes]
+            truncated=e.truncated, turns=e.turns, answer=e.answer,
+            messages=[message_from_dict(m) for m in e.messages[len(prompt):]] if with_messages else [])
+            for e in episodes]
         return types_pb2.TrajectoryGroup(
             group_id=group.group_id, prompt_id=group.prompt_id, env_name=group.env_name,
             target_step=group.target_step, prompt_token_ids=prompt_ids, completions=completions,

@@ -94,7 +94,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 tools=request.tools, metadata=request.metadata, num_generations=request.n, max_turns=request.max_turns,
                 sampling=request.sampling)
             try:
-                episodes = await w.runner.run(group, w.worker_id)
+                episodes = await w.runner.run(group, w.worker_id, with_messages=True)
             except grpc.aio.AioRpcError as err:  # the environment service's answer to its Step
                 if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                     raise InvalidArgument(f"environment {request.env_name[:64]!r}: {err.details()}") from None

@@ -1,0 +1,62 @@
+"""`flywheel collect`: NeMo Gym's rollouts.jsonl from an environment mix and a model, without training.
+
+    the prompts `flywheel eval` takes (data.validation, --data, or what the config's environments generate)
+        ──▶ environment + rollout services, policy.model_name = --model (evaluate.py: the same services and code)
+        ──▶ rollout's Generate: n episodes a prompt, the environment's episode loop, scored by the environment
+        ──▶ to_gym.gym_rollout: one NeMo Gym rollout a line ──▶ --out (prompts × n lines)
+
+Sampling is each prompt's (its environment's, else policy.generation's), as validation samples. Environments of
+kind agent (NeMo Gym, verifiers, programs: services/rollout/agent_groups.py) run their episodes through rollout's
+OpenAI endpoint, not through Generate, so collect does not collect them: their prompts fail in Generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from services.common.config import FlywheelConfig
+from services.common.messages import message_to_dict, tools_to_dicts
+from services.controller.data.to_gym import gym_rollout
+from services.evaluate import eval_prompts, scored
+from services.local import LocalStack
+
+
+def rollout_lines(prompts, results, model: str) -> list[dict]:
+    """Each prompt's completions, in prompt then sampling order, as NeMo Gym rollouts."""
+    lines = []
+    for task, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        messages = [message_to_dict(m) for m in prompt.messages]
+        tools = tools_to_dicts(prompt.tools) or None
+        for i, c in enumerate(result.completions):
+            lines.append(gym_rollout(prompt=messages, tools=tools, episode=[message_to_dict(m) for m in c.messages],
+                                     reward=c.reward, metrics=dict(c.named_rewards), env_name=prompt.env_name,
+                                     model=model, task_index=task, rollout_index=i))
+    return lines
+
+
+def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> int:
+    """Writes `out`; the number of rollouts written."""
+    prompts = eval_prompts(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with LocalStack(cfg, run_dir) as stack:
+        stack.start_reward_model()
+        for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
+            stack.children.start(name, service, stack.config_path)
+        prompts, _, results = asyncio.run(scored(stack.cfg, prompts))
+    lines = rollout_lines(prompts, results, cfg.policy.model_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return len(lines)
+
+
+def collect_command(cfg: FlywheelConfig, out: str, run_dir: str) -> int:
+    logs = Path(run_dir).resolve()
+    n = cfg.grpo.val_num_generations_per_prompt
+    print(f"collect: {cfg.policy.model_name}, {n} rollouts per prompt, services' logs in {logs}", flush=True)
+    count = run_collect(cfg, Path(out), logs)
+    print(f"collect: {count} rollouts written to {out}", flush=True)
+    return 0
