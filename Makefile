@@ -46,7 +46,7 @@ up: setup
 # faults and waits on deadlines, so it runs one test at a time on a machine that runs nothing else.
 test: setup $(VERIFIERS_STAMP) gym-venv
 	tests/with_system_tools.sh sh -c '$(VENV)/bin/pytest -m "not gpu" -q -n 2 tests/unit $(ARGS) && \
-		$(VENV)/bin/pytest -m "not gpu" -q --ignore=tests/unit $(ARGS)'
+		$(VENV)/bin/pytest -m "not gpu" -q --durations=30 --ignore=tests/unit $(ARGS)'
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.
 # Installs the wheels carried in wheels/gpu first, if any; ARGS go to tests/gpu/run.py (--only, --timeout).
