@@ -12,15 +12,13 @@ OpenAI endpoint, not through Generate, so collect does not collect them: their p
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 from services.common.config import FlywheelConfig
 from services.common.messages import message_to_dict, tools_to_dicts
 from services.controller.data.to_gym import gym_rollout
-from services.evaluate import eval_prompts, scored
-from services.local import LocalStack
+from services.evaluate import scored_on_a_stack
 
 
 def rollout_lines(prompts, results, model: str) -> list[dict]:
@@ -38,13 +36,7 @@ def rollout_lines(prompts, results, model: str) -> list[dict]:
 
 def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> int:
     """Writes `out`; the number of rollouts written."""
-    prompts = eval_prompts(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with LocalStack(cfg, run_dir) as stack:
-        stack.start_reward_model()
-        for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
-            stack.children.start(name, service, stack.config_path)
-        prompts, _, results = asyncio.run(scored(stack.cfg, prompts))
+    prompts, _, results = scored_on_a_stack(cfg, run_dir)
     lines = rollout_lines(prompts, results, cfg.policy.model_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:

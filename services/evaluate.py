@@ -42,14 +42,20 @@ def eval_prompts(cfg: FlywheelConfig):
     return prompts
 
 
-def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
+def scored_on_a_stack(cfg: FlywheelConfig, run_dir: Path):
+    """eval_prompts(cfg) scored by an environment and a rollout service started for it (their logs in
+    `run_dir`): (prompts, metrics, results) as `scored` gives them. Eval and collect both run this."""
     prompts = eval_prompts(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     with LocalStack(cfg, run_dir) as stack:
         stack.start_reward_model()
         for service, name in (("environment", "environment"), ("rollout", "rollout-0")):
             stack.children.start(name, service, stack.config_path)
-        _, metrics, results = asyncio.run(scored(stack.cfg, prompts))
+        return asyncio.run(scored(stack.cfg, prompts))
+
+
+def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
+    _, metrics, results = scored_on_a_stack(cfg, run_dir)
     (run_dir / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
     with (run_dir / "eval_samples.jsonl").open("w") as f:
         for p in results:
