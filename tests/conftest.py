@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 
 from needs import require_tools
-from ports import default_ports, hold
+from ports import default_ports, holding
 from services.common.infra import Server, start_nats, start_redis
 
 
 @pytest.fixture(scope="session", autouse=True)
 def default_ports_held():
     """A test that binds or dials a default port fails here, not only when another suite shares the host."""
-    held = hold(default_ports())
-    yield
-    for sock in held:
-        sock.close()
+    with holding(default_ports()):
+        yield
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 from services.common.config import ServiceAddresses
@@ -38,3 +40,14 @@ def hold(ports: list[int]) -> list[socket.socket]:
             continue  # another process holds it: the suite cannot use it either
         held.append(sock)
     return held
+
+
+@contextmanager
+def holding(ports: list[int]) -> Iterator[list[socket.socket]]:
+    """`hold(ports)` for the length of the block."""
+    held = hold(ports)
+    try:
+        yield held
+    finally:
+        for sock in held:
+            sock.close()

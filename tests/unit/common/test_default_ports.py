@@ -8,7 +8,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from ports import default_ports, hold
+from ports import default_ports, holding
 
 from services.common.infra import free_port, start_redis
 
@@ -17,10 +17,8 @@ from services.common.infra import free_port, start_redis
 def held_here_if_free():
     """What the session found held by another process (another suite, or the other xdist worker) may be free by
     now, if that process ended: held here then, so the checks below see every default port held."""
-    held = hold(default_ports())
-    yield
-    for sock in held:
-        sock.close()
+    with holding(default_ports()):
+        yield
 
 
 def test_the_default_ports_are_the_configs():
