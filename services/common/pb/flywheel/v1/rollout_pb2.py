@@ -26,7 +26,7 @@ from services.common.pb.flywheel.v1 import types_pb2 as flywheel_dot_v1_dot_type
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/rollout.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xf3\x01\n\x0fGenerateRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\t\n\x01n\x18\x02 \x01(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x10\n\x08\x65nv_name\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12*\n\x05tools\x18\x07 \x03(\x0b\x32\x1b.flywheel.v1.ToolDefinition\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.Completion2Y\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.flywheel.v1.GenerateRequest\x1a\x1d.flywheel.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lywheel/v1/rollout.proto\x12\x0b\x66lywheel.v1\x1a\x17\x66lywheel/v1/types.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xf3\x01\n\x0fGenerateRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.ChatMessage\x12\t\n\x01n\x18\x02 \x01(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flywheel.v1.SamplingParams\x12\x10\n\x08\x65nv_name\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12*\n\x05tools\x18\x07 \x03(\x0b\x32\x1b.flywheel.v1.ToolDefinition\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.flywheel.v1.Completion\"T\n\x0cScoreRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.flywheel.v1.TokenIds\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\rScoreResponse\x12)\n\x07teacher\x18\x01 \x03(\x0b\x32\x18.flywheel.v1.TeacherTopK2Y\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.flywheel.v1.GenerateRequest\x1a\x1d.flywheel.v1.GenerateResponse2P\n\x0eTeacherService\x12>\n\x05Score\x12\x19.flywheel.v1.ScoreRequest\x1a\x1a.flywheel.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=341
   _globals['_GENERATERESPONSE']._serialized_start=343
   _globals['_GENERATERESPONSE']._serialized_end=407
-  _globals['_ROLLOUTSERVICE']._serialized_start=409
-  _globals['_ROLLOUTSERVICE']._serialized_end=498
+  _globals['_SCOREREQUEST']._serialized_start=409
+  _globals['_SCOREREQUEST']._serialized_end=493
+  _globals['_TOKENIDS']._serialized_start=495
+  _globals['_TOKENIDS']._serialized_end=518
+  _globals['_SCORERESPONSE']._serialized_start=520
+  _globals['_SCORERESPONSE']._serialized_end=578
+  _globals['_ROLLOUTSERVICE']._serialized_start=580
+  _globals['_ROLLOUTSERVICE']._serialized_end=669
+  _globals['_TEACHERSERVICE']._serialized_start=671
+  _globals['_TEACHERSERVICE']._serialized_end=751
 # @@protoc_insertion_point(module_scope)

@@ -31,3 +31,23 @@ class GenerateResponse(_message.Message):
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Completion]
     def __init__(self, completions: _Optional[_Iterable[_Union[_types_pb2.Completion, _Mapping]]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "completions")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completions: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("teacher",)
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
+    teacher: _containers.RepeatedCompositeFieldContainer[_types_pb2.TeacherTopK]
+    def __init__(self, teacher: _Optional[_Iterable[_Union[_types_pb2.TeacherTopK, _Mapping]]] = ...) -> None: ...

@@ -97,3 +97,82 @@ class RolloutService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TeacherServiceStub:
+    """`flywheel serve teacher` (on-policy distillation): a frozen teacher model scores the student's samples.
+    Rollout calls it for each finished group before publishing it, so scoring overlaps generation and training.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Score = channel.unary_unary(
+                '/flywheel.v1.TeacherService/Score',
+                request_serializer=flywheel_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=flywheel_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
+
+
+class TeacherServiceServicer:
+    """`flywheel serve teacher` (on-policy distillation): a frozen teacher model scores the student's samples.
+    Rollout calls it for each finished group before publishing it, so scoring overlaps generation and training.
+    """
+
+    def Score(self, request, context):
+        """The teacher's top-k logits at every completion position of every completion of the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TeacherServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=flywheel_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=flywheel_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'flywheel.v1.TeacherService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('flywheel.v1.TeacherService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TeacherService:
+    """`flywheel serve teacher` (on-policy distillation): a frozen teacher model scores the student's samples.
+    Rollout calls it for each finished group before publishing it, so scoring overlaps generation and training.
+    """
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.TeacherService/Score',
+            flywheel_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            flywheel_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -112,7 +112,7 @@ class PromptGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., num_generations: _Optional[int] = ..., target_step: _Optional[int] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., leased_at_unix_ns: _Optional[int] = ..., reward_scale: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages")
+    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages", "teacher")
     class NamedRewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class Completion(_message.Message):
     TURNS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_mask: _containers.RepeatedScalarFieldContainer[bool]
     generation_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -144,7 +145,18 @@ class Completion(_message.Message):
     turns: int
     answer: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    teacher: TeacherTopK
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherTopK, _Mapping]] = ...) -> None: ...
+
+class TeacherTopK(_message.Message):
+    __slots__ = ("k", "logits", "token_ids")
+    K_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    logits: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, k: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("group_id", "prompt_id", "env_name", "target_step", "prompt_token_ids", "completions", "version_start", "generation_seconds", "environment_seconds", "worker_id", "leased_at_unix_ns", "finished_at_unix_ns", "traceparent")
