@@ -79,8 +79,8 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     """data.* read and checked (a bad file or row stops here, before anything starts), trackers and the tool parser
     importable, grpo.max_num_steps bounded by grpo.max_num_epochs; each decision printed."""
     from services.common.chat_template import check_chat_template
-    from services.controller.data import DataError, plan_config
-    from services.controller.data.offline_tokens import offline_plan_config
+    from services.common.data import DataError, plan_config
+    from services.common.data.offline_tokens import offline_plan_config
     from services.controller.tracking import TrackerError, check_trackers
 
     cfg.policy.generation.check_tool_parser()
@@ -150,7 +150,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from services.controller.data.from_gym import from_gym_command
+    from services.common.data.from_gym import from_gym_command
 
     return from_gym_command(args)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.common.config import FlywheelConfig
 from services.common.messages import message_to_dict, tools_to_dicts
-from services.controller.data.to_gym import gym_rollout
+from services.common.data.to_gym import gym_rollout
 from services.evaluate import scored_on_a_stack
 
 

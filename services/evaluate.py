@@ -20,7 +20,7 @@ from pathlib import Path
 from services.common.config import ConfigError, FlywheelConfig
 from services.common.pb.flywheel.v1 import rollout_pb2_grpc
 from services.common.server import channel
-from services.controller.data import DataError, load_data
+from services.common.data import DataError, load_data
 from services.controller.evaluation import Validator, generated_prompts, validation_prompts
 from services.controller.main import spec_from_config
 from services.controller.registry import Registry

@@ -1,7 +1,7 @@
 """Config sections for what a run reads and writes: NeMo RL's `data`, `policy.tokenizer`, `env`, `logger`.
 
 Same key names and meanings as NeMo RL (`nemo_rl/data/__init__.py::DataConfig`,
-`ResponseDatasetConfig`; `examples/configs/grpo_math_1B.yaml`). services/controller/data/ reads
+`ResponseDatasetConfig`; `examples/configs/grpo_math_1B.yaml`). services/common/data/ reads
 the datasets these describe. No torch, no IO.
 """
 
@@ -45,7 +45,7 @@ NAMED_DATASETS = {
 """NeMo RL dataset names Flywheel reads (from the hub where it is reachable, or from data_path)."""
 LOCAL_COPY_ONLY = ("squad", "HelpSteer3")
 """The datasets of NeMo RL's sft.yaml, dpo.yaml and rm.yaml: read from data_path only, already in the row formats
-services/controller/data/offline.py reads (the name stays, e.g. for the logger names that interpolate it)."""
+services/common/data/offline.py reads (the name stays, e.g. for the logger names that interpolate it)."""
 
 
 class DatasetConfig(Section):
@@ -74,7 +74,7 @@ class DatasetConfig(Section):
     """Text of a system message put before the prompt; null adds none."""
     processor: Literal["math_hf_data_processor", "sft_processor"] | None = None
     """NeMo RL's math processor: prompt_file and system_prompt_file applied, answer as ground_truth;
-    sft_processor (sft.yaml's): what an SFT run does with its rows anyway (services/controller/data/offline.py)."""
+    sft_processor (sft.yaml's): what an SFT run does with its rows anyway (services/common/data/offline.py)."""
     env_name: str | None = None
     """The environment that scores this dataset (a built-in kind, e.g. math)."""
     repeat: int = Field(1, gt=0)

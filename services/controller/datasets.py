@@ -1,13 +1,13 @@
 """Cursors over an environment's prompts: rows in epochs (NeMo RL's order), or a generated stream.
 
-Rows come from data.* (services/controller/data/) or from an environment's own JSONL / inline rows.
+Rows come from data.* (services/common/data/) or from an environment's own JSONL / inline rows.
 """
 
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.pb.flywheel.v1 import types_pb2
-from services.controller.data.plan import position
+from services.common.data.plan import position
 
 
 class Exhausted(Exception):

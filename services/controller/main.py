@@ -41,7 +41,7 @@ from services.common.structs import to_struct
 from services.common.telemetry import setup_telemetry
 from services.controller import auth
 from services.controller.admission import leasable_targets
-from services.controller.data import LoadedData, load_data
+from services.common.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
 from services.controller import poison
 from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts

@@ -25,7 +25,7 @@ from services.common.server import run_service
 from services.common.tokenizing import load_tokenizer_without_torch
 from services.controller import auth
 from services.controller.admission import leasable_targets
-from services.controller.data.offline_tokens import OfflinePlan, group_id, group_of, load_plan
+from services.common.data.offline_tokens import OfflinePlan, group_id, group_of, load_plan
 from services.controller.reporting import Reporting
 from services.controller.state import RunState, StateStore
 from services.controller.tracking import Tracker

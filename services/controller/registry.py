@@ -25,7 +25,7 @@ from services.common.errors import (AlreadyExists, FailedPrecondition, InvalidAr
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.server import channel
 from services.common.work import check_episodes, check_sampling
-from services.controller.data import DataError, load_rows
+from services.common.data import DataError, load_rows
 from services.controller.datasets import Cursor, EpochCursor
 
 NAME = re.compile(r"^[a-z0-9_-]{1,64}$")

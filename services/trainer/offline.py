@@ -3,7 +3,7 @@
 The batches come from replay as under GRPO (the controller publishes the dataset's rows), so the loop
 keeps Sample, checkpoints, StepReport and Commit; it skips weight sync (there is no rollout) and the
 advantages, and calls the backend's offline step. The trainer reads data.train too, with the same
-tokenizer and plan as the controller (controller/data/offline_tokens.py), only to know where the run
+tokenizer and plan as the controller (common/data/offline_tokens.py), only to know where the run
 ends: max_num_steps, or sooner when max_num_epochs of the data are used up.
 
 Validation is the trainer's here, not rollout's: NeMo RL's SFT and DPO validate by the loss on
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services.common.config import FlywheelConfig
 from services.common.jsonl import read_rows
-from services.controller.data.offline_tokens import group_of, load_plan
+from services.common.data.offline_tokens import group_of, load_plan
 from services.trainer.batch import TrainBatch, build_batch
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 from gym_schema import nemo_gym_reads
 
-from services.controller.data.from_gym import read_rollouts
+from services.common.data.from_gym import read_rollouts
 from services.environment.envs.tool_add import ToolAddEnvironment
 from services.environment.envs.toy_copy import ToyCopyEnvironment
 

@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from services.common.config import load_config
-from services.controller.data import plan_config
+from services.common.data import plan_config
 from services.controller.tracking import tensorboard_dir
 from services.local import LocalStack
 

@@ -13,7 +13,7 @@ import pytest
 from test_math_e2e import _write  # the same test-made math dataset, prompt file and NeMo RL config
 
 from services.common.config import load_config
-from services.controller.data import plan_config
+from services.common.data import plan_config
 from services.local import LocalStack
 
 pytestmark = pytest.mark.slow

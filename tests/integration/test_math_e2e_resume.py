@@ -25,7 +25,7 @@ from test_math_e2e import _write
 from services.common.bus import Subjects, nats_credentials
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import types_pb2
-from services.controller.data import plan_config
+from services.common.data import plan_config
 from services.local import LocalStack
 from services.replay.store import key_prefix
 

@@ -13,7 +13,7 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.pb.flywheel.v1 import controller_pb2, environment_pb2, types_pb2
-from services.controller.data import LoadedData, PromptSet
+from services.common.data import LoadedData, PromptSet
 from services.controller.main import resubmit, submit_data
 from services.controller.registry import Registry
 from services.controller.state import StateStore

@@ -8,7 +8,7 @@ from google.protobuf import json_format
 from services.common.errors import InvalidArgument
 from services.common.messages import dataset_row, message_from_dict, message_to_dict, tool_from_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import environment_pb2, types_pb2
-from services.controller.data.rows import RowError, Templates, to_row
+from services.common.data.rows import RowError, Templates, to_row
 
 # As OpenAI's chat API writes an episode with one call: content null beside tool_calls, arguments as JSON text.
 EPISODE = [

@@ -11,7 +11,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from services.common.bus import WORK_DEDUP_WINDOW_S, Bus
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
-from services.controller.data import load_data
+from services.common.data import load_data
 from services.controller.datasets import EpochCursor
 from services.controller.main import Controller
 from services.controller.registry import Entry, Registry

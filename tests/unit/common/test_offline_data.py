@@ -11,8 +11,8 @@ import pytest
 from needs import require_module
 
 from services.common.config import load_config
-from services.controller.data import DataError, OfflineKeys, load_offline, over_limit, read_offline
-from services.controller.data.rows import Templates
+from services.common.data import DataError, OfflineKeys, load_offline, over_limit, read_offline
+from services.common.data.rows import Templates
 
 USER = {"role": "user", "content": "Weather in Paris?"}
 CALL = {"role": "assistant", "content": None, "tool_calls": [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from services.controller.data.rows import RowError
+from services.common.data.rows import RowError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 KEPT = ("tool_call_id", "name", "reasoning_content")

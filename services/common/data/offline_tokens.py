@@ -22,8 +22,8 @@ import random
 from dataclasses import dataclass, field
 
 from services.common.pb.flywheel.v1 import types_pb2
-from services.controller.data.offline import Dropped, PreferenceExample, SFTExample, over_limit
-from services.controller.data.offline_load import Drop, load_offline
+from services.common.data.offline import Dropped, PreferenceExample, SFTExample, over_limit
+from services.common.data.offline_load import Drop, load_offline
 
 
 @dataclass(kw_only=True, slots=True)

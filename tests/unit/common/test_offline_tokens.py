@@ -9,8 +9,8 @@ import pytest
 
 from services.common.config import PolicyConfig
 from services.common.tokenizing import load_tokenizer_without_torch
-from services.controller.data.offline import PreferenceExample, SFTExample
-from services.controller.data.offline_tokens import build_plan, group_of, tokenize_pair, tokenize_sft
+from services.common.data.offline import PreferenceExample, SFTExample
+from services.common.data.offline_tokens import build_plan, group_of, tokenize_pair, tokenize_sft
 
 TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}t:{{ tools | length }}\n{% endif %}"
                   "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}")

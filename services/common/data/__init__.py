@@ -11,10 +11,10 @@ row or a missing file as one DataError naming the config key, the file and the l
 well formed and cannot train are dropped, each named with its reason.
 """
 
-from services.controller.data.loader import (DataError, LoadedData, PromptSet, load_data, load_rows, plan_config,
+from services.common.data.loader import (DataError, LoadedData, PromptSet, load_data, load_rows, plan_config,
                                              plan_steps)
-from services.controller.data.offline import OfflineKeys, PreferenceExample, SFTExample, over_limit
-from services.controller.data.offline_load import Drop, LoadedOffline, OfflineSet, load_offline, read_offline
+from services.common.data.offline import OfflineKeys, PreferenceExample, SFTExample, over_limit
+from services.common.data.offline_load import Drop, LoadedOffline, OfflineSet, load_offline, read_offline
 
 __all__ = ["DataError", "Drop", "LoadedData", "LoadedOffline", "OfflineKeys", "OfflineSet", "PreferenceExample",
            "PromptSet", "SFTExample", "load_data", "load_offline", "load_rows", "over_limit", "plan_config",

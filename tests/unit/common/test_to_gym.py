@@ -7,8 +7,8 @@ import json
 
 from gym_schema import nemo_gym_reads
 
-from services.controller.data.from_gym import read_rollouts
-from services.controller.data.to_gym import gym_rollout
+from services.common.data.from_gym import read_rollouts
+from services.common.data.to_gym import gym_rollout
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]

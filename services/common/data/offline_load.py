@@ -17,12 +17,12 @@ from typing import Literal
 
 from services.common.config import FlywheelConfig
 from services.common.config_data import DatasetConfig
-from services.controller.data.loader import DataError, named_sets, read_text_file
-from services.controller.data.offline import (Dropped, OfflineKeys, PreferenceExample, SFTExample,
+from services.common.data.loader import DataError, named_sets, read_text_file
+from services.common.data.offline import (Dropped, OfflineKeys, PreferenceExample, SFTExample,
                                               preference_example, sft_example)
-from services.controller.data.plan import holdout
-from services.controller.data.rows import RowError, Templates, check_prompt_template
-from services.controller.data.sources import SourceError, records
+from services.common.data.plan import holdout
+from services.common.data.rows import RowError, Templates, check_prompt_template
+from services.common.data.sources import SourceError, records
 
 Kind = Literal["sft", "preference"]
 """sft: SFT rows; preference: pairs, for DPO and RM alike."""

@@ -11,9 +11,9 @@ from services.common.config import FlywheelConfig
 from services.common.config_data import NAMED_DATASETS, DatasetConfig
 from services.common.messages import dataset_row
 from services.common.pb.flywheel.v1 import types_pb2
-from services.controller.data.plan import holdout, planned_steps
-from services.controller.data.rows import RowError, Templates, check_prompt_template, to_row
-from services.controller.data.sources import SourceError, decode_utf8, records
+from services.common.data.plan import holdout, planned_steps
+from services.common.data.rows import RowError, Templates, check_prompt_template, to_row
+from services.common.data.sources import SourceError, decode_utf8, records
 
 
 class DataError(ValueError):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.controller.data.messages import chat_messages, check_tools, says_something
-from services.controller.data.rows import RowError, Templates, apply_templates
+from services.common.data.messages import chat_messages, check_tools, says_something
+from services.common.data.rows import RowError, Templates, apply_templates
 
 
 class Dropped(ValueError):

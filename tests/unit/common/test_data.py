@@ -11,9 +11,9 @@ from needs import require_module
 
 from services.common.config import load_config
 from services.common.structs import from_struct
-from services.controller.data import DataError, load_data, load_rows, plan_steps
-from services.controller.data.plan import holdout, planned_steps
-from services.controller.data.rows import RowError, Templates, to_row
+from services.common.data import DataError, load_data, load_rows, plan_steps
+from services.common.data.plan import holdout, planned_steps
+from services.common.data.rows import RowError, Templates, to_row
 from services.controller.datasets import EpochCursor, Exhausted
 
 ROOT = Path(__file__).resolve().parents[3]

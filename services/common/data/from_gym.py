@@ -26,11 +26,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.controller.data.offline import Dropped, OfflineKeys, preference_example, sft_example
-from services.controller.data.offline_load import Drop, reason_kind
-from services.controller.data.responses import chat_from_items, chat_tools, prompt_messages
-from services.controller.data.rows import RowError, Templates
-from services.controller.data.sources import SourceError, decode_utf8
+from services.common.data.offline import Dropped, OfflineKeys, preference_example, sft_example
+from services.common.data.offline_load import Drop, reason_kind
+from services.common.data.responses import chat_from_items, chat_tools, prompt_messages
+from services.common.data.rows import RowError, Templates
+from services.common.data.sources import SourceError, decode_utf8
 
 
 class GymDataError(ValueError):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.controller.data import read_offline
-from services.controller.data.from_gym import GymDataError, convert, dpo_rows, read_rollouts, sft_rows
+from services.common.data import read_offline
+from services.common.data.from_gym import GymDataError, convert, dpo_rows, read_rollouts, sft_rows
 
 ROLLOUTS = Path(__file__).resolve().parents[2] / "fixtures/gym/rollouts.jsonl"
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Use the calculator for arithmetic."}

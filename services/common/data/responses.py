@@ -17,7 +17,7 @@ Any other item (hosted MCP, web search, images, ...) has no chat form: Dropped n
 
 from __future__ import annotations
 
-from services.controller.data.offline import Dropped
+from services.common.data.offline import Dropped
 
 
 def prompt_messages(params: object) -> list[dict]:
