@@ -42,11 +42,12 @@ up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
 
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
-# tests/unit (no stacks, each test on its own) runs on two workers; the rest starts whole stacks, times its
-# faults and waits on deadlines, so it runs one test at a time on a machine that runs nothing else.
+# Both phases run on two workers. tests/unit has no stacks; the system tests start whole stacks on free ports,
+# one file per worker (--dist loadfile), so a file's module-scoped stack is started once and two stacks at
+# most share the machine (every wait is on a deadline, none on a timing).
 test: setup $(VERIFIERS_STAMP) gym-venv
 	tests/with_system_tools.sh sh -c '$(VENV)/bin/pytest -m "not gpu" -q -n 2 tests/unit $(ARGS) && \
-		$(VENV)/bin/pytest -m "not gpu" -q --durations=30 --ignore=tests/unit $(ARGS)'
+		$(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --durations=30 --ignore=tests/unit $(ARGS)'
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.
 # Installs the wheels carried in wheels/gpu first, if any; ARGS go to tests/gpu/run.py (--only, --timeout).
