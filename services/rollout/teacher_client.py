@@ -34,6 +34,10 @@ FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 SCORE_SECONDS = Histogram("flywheel_rollout_teacher_seconds", "Time a group waited for its teacher scores, retries "
                           "included", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+             ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_S * 1000)))
+"""gRPC's own reconnect back-off (1 s growing to 120 s by default) would leave a restarted teacher unused for up
+to two minutes after a long outage: a channel reconnects within MAX_BACKOFF_S of the teacher coming back."""
 RETRIES = Counter("flywheel_rollout_teacher_retries_total", "Score calls retried (teacher down, late or restarting)")
 
 
@@ -49,7 +53,7 @@ class Replica:
 class TeacherClient:
     def __init__(self, addresses: list[str], security: SecurityConfig, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.channels = [channel(a, security=security) for a in addresses]
+        self.channels = [channel(a, RECONNECT, security=security) for a in addresses]
         self.replicas = [Replica(address=a, stub=rollout_pb2_grpc.TeacherServiceStub(ch))
                          for a, ch in zip(addresses, self.channels, strict=True)]
         self.turn = 0

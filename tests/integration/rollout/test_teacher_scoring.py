@@ -27,7 +27,7 @@ from services.environment.base import make_environment
 from services.rollout.engines.hf import HFEngine
 from services.rollout.main import RolloutWorker
 from services.rollout.teacher import load_teacher
-from services.rollout.teacher_client import RETRIES
+from services.rollout.teacher_client import RECONNECT, RETRIES
 
 K = 4
 G = 2
@@ -84,7 +84,7 @@ def prompt_group(i: int) -> types_pb2.PromptGroup:
 
 
 async def wait_serving(address: str) -> None:
-    async with channel(address) as ch:  # the teacher loads its model before it opens its port
+    async with channel(address, RECONNECT) as ch:  # the teacher loads its model before it opens its port
         await rollout_pb2_grpc.TeacherServiceStub(ch).Score(rollout_pb2.ScoreRequest(
             prompt_token_ids=[5], completions=[rollout_pb2.TokenIds(ids=[6])]), timeout=60, wait_for_ready=True)
 
