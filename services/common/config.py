@@ -937,19 +937,26 @@ class FlywheelConfig(Section):
         return self
 
     @property
+    def uses_teacher(self) -> bool:
+        """The run has a teacher (a `teacher:` section): rollout publishes each group with its scores, and the
+        launchers start the teacher servers. The one test of it, so what makes a run a distillation run can change
+        in one place."""
+        return self.teacher is not None
+
+    @property
     def teacher_tiny(self) -> TinyModelConfig:
         """The tiny teacher's shape: policy.tiny with teacher.tiny on top."""
-        return TinyModelConfig(**{**self.policy.tiny.model_dump(), **(self.teacher.tiny if self.teacher else {})})
+        return TinyModelConfig(**{**self.policy.tiny.model_dump(), **(self.teacher.tiny if self.uses_teacher else {})})
 
     @property
     def teacher_addresses(self) -> list[str]:
         """The teacher servers rollout calls."""
-        return (self.teacher.addresses if self.teacher else []) or [self.addresses.teacher]
+        return (self.teacher.addresses if self.uses_teacher else []) or [self.addresses.teacher]
 
     @model_validator(mode="after")
     def _teacher_fits(self) -> FlywheelConfig:
         t = self.teacher
-        if t is None:
+        if not self.uses_teacher:
             return self
         if t.model_name == "tiny":
             if self.policy.model_name != "tiny":

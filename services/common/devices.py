@@ -67,7 +67,7 @@ def demand_of(cfg: FlywheelConfig) -> Demand:
 
 def launched_teachers(cfg: FlywheelConfig) -> int:
     """Teacher servers a launcher starts: teacher.num_replicas, none when teacher.addresses names the servers."""
-    return cfg.teacher.num_replicas if cfg.teacher is not None and not cfg.teacher.addresses else 0
+    return cfg.teacher.num_replicas if cfg.uses_teacher and not cfg.teacher.addresses else 0
 
 
 @dataclass(frozen=True, slots=True)

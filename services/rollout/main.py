@@ -203,7 +203,7 @@ class RolloutWorker:
         self.endpoint = None
         """The worker's EndpointServer when policy.generation.endpoint.enabled (agents call it)."""
         self.teacher = (TeacherClient(cfg.teacher_addresses, cfg.security, cfg.teacher.timeout_s)
-                        if cfg.teacher is not None else None)
+                        if cfg.uses_teacher else None)
         """Distillation: scores each group before it is published (teacher_client.py)."""
 
     @property

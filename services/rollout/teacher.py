@@ -154,7 +154,7 @@ class TeacherServicer(rollout_pb2_grpc.TeacherServiceServicer):
 
 
 async def serve(cfg: FlywheelConfig) -> None:
-    if cfg.teacher is None:
+    if not cfg.uses_teacher:
         raise SystemExit("flywheel serve teacher: the config has no teacher section")
     setup_telemetry("teacher", cfg.run.name, cfg.telemetry)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
