@@ -150,7 +150,8 @@ async def test_the_teacher_server_refuses_a_request_it_cannot_score_and_names_th
             (rollout_pb2.ScoreRequest(prompt_token_ids=[5], completions=[rollout_pb2.TokenIds(ids=[10**6])]),
              "completions[0]: token id 1000000 is outside the teacher's vocabulary"),
             (rollout_pb2.ScoreRequest(prompt_token_ids=[5] * cfg.policy.max_total_sequence_length,
-                                      completions=[rollout_pb2.TokenIds(ids=[6])]), "(policy.max_total_sequence_length)"),
+                                      completions=[rollout_pb2.TokenIds(ids=[6])]),
+             "(policy.max_total_sequence_length)"),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Score(request, timeout=30)

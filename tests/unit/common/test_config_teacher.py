@@ -18,8 +18,8 @@ def test_the_tiny_teacher_is_the_policys_shape_with_its_own_changes_and_one_addr
     assert (cfg.teacher_tiny.hidden_size, cfg.teacher_tiny.num_hidden_layers) == (128, 4)
     assert cfg.teacher_tiny.intermediate_size == cfg.policy.tiny.intermediate_size
     assert cfg.teacher_addresses == [cfg.addresses.teacher]
-    assert load_config(None, ["teacher.model_name=tiny", "teacher.addresses=[a:1, b:2]"]).teacher_addresses == ["a:1",
-                                                                                                                   "b:2"]
+    replicas = load_config(None, ["teacher.model_name=tiny", "teacher.addresses=[a:1, b:2]"])
+    assert replicas.teacher_addresses == ["a:1", "b:2"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -15,9 +15,11 @@ def _make_sbatch(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+TEACHER = ["teacher.model_name=Qwen/Qwen3-4B", "teacher.topk_logits_k=16"]
+
+
 def test_a_teacher_the_job_would_have_to_start_is_refused_and_one_named_by_address_is_not():
-    run = _make_sbatch("deploy/compose/config.yaml", "teacher.model_name=Qwen/Qwen3-4B", "teacher.topk_logits_k=16", "-o", "-")
+    run = _make_sbatch("deploy/compose/config.yaml", *TEACHER, "-o", "-")
     assert run.returncode == 2 and "teacher: this job starts no teacher server" in run.stderr
-    run = _make_sbatch("deploy/compose/config.yaml", "teacher.model_name=Qwen/Qwen3-4B", "teacher.topk_logits_k=16", "teacher.addresses=[node9:50057]",
-                       "-o", "-")
+    run = _make_sbatch("deploy/compose/config.yaml", *TEACHER, "teacher.addresses=[node9:50057]", "-o", "-")
     assert run.returncode == 0, run.stderr
