@@ -49,6 +49,10 @@ def load_teacher(cfg: FlywheelConfig, device: str | torch.device = "cpu") -> tor
     vocab = model.get_input_embeddings().num_embeddings
     if t.topk_logits_k > vocab:
         raise ValueError(f"teacher.topk_logits_k {t.topk_logits_k} is more than the teacher's {vocab} tokens")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and positions < cfg.policy.max_total_sequence_length:
+        raise ValueError(f"teacher {t.model_name!r} takes {positions} positions, fewer than the "
+                         f"{cfg.policy.max_total_sequence_length} of policy.max_total_sequence_length it must score")
     return model.to(device).eval()
 
 

@@ -113,3 +113,16 @@ def test_a_request_the_teacher_cannot_score_is_refused_with_the_field_named(prom
 
 def test_a_request_within_every_bound_passes():
     check_request([1] * 7, [[49] * 3, []], vocab_size=50, max_len=10)
+
+
+def test_a_teacher_that_cannot_take_the_students_sequences_or_k_is_refused_at_load(tmp_path):
+    cfg = load_config(None, ["teacher.model_name=tiny", "policy.max_total_sequence_length=300"])
+    short = load_teacher(cfg)
+    short.config.max_position_embeddings = 299
+    short.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="takes 299 positions, fewer than the 300"):
+        load_teacher(load_config(None, ["policy.model_name=tiny", f"teacher.model_name={tmp_path}",
+                                        "policy.max_total_sequence_length=300"]))
+    with pytest.raises(ValueError, match="topk_logits_k 4096 is more than the teacher's"):
+        load_teacher(load_config(None, ["teacher.model_name=tiny", "teacher.topk_logits_k=4096",
+                                        "grpo.num_generations_per_prompt=1"]))
