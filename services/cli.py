@@ -2,7 +2,7 @@
 
     flywheel up [--config F] [--run-dir D] [key=value ...]     everything on this machine, tiny model by default
     flywheel serve SERVICE [--config F] [key=value ...]         one service (controller|rollout|environment|replay|trainer
-                                                                |reward_model)
+                                                                |reward_model|teacher)
     flywheel env submit|list|remove ...                         change the environment mix of a running job
     flywheel status [--json]                                    where a running job is (env and status find
                                                                 the local run: newest live runs/*/, or --run-dir)
@@ -31,9 +31,11 @@ from services.common.errors import RUN_FAILED_EXIT, RunFailed
 from services.common.logs import setup_logging
 
 SERVICES = ("controller", "rollout", "environment", "replay", "trainer")
-SERVE_MODULES = {**{s: f"services.{s}.main" for s in SERVICES}, "reward_model": "services.rollout.reward_model"}
-"""`flywheel serve NAME` -> the module whose serve(cfg) runs it: the five services, and env.reward_model's server
-(a model, so it lives with rollout), which a run starts only when an environment of kind reward_model is used."""
+SERVE_MODULES = {**{s: f"services.{s}.main" for s in SERVICES}, "reward_model": "services.rollout.reward_model",
+                 "teacher": "services.rollout.teacher"}
+"""`flywheel serve NAME` -> the module whose serve(cfg) runs it: the five services, env.reward_model's server
+(a model, so it lives with rollout), which a run starts only when an environment of kind reward_model is used,
+and a distillation run's teacher (the `teacher:` section)."""
 
 
 def _config(args) -> FlywheelConfig:

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig, write_resolved
-from services.common.devices import Plan, checked_plan, device_env
+from services.common.devices import Plan, checked_plan, device_env, launched_teachers
 from services.common.errors import RUN_FAILED_EXIT
 from services.common.infra import Server, child_env, dying_with_parent, free_port, start_nats, start_redis
 from services.common.jsonl import read_rows
@@ -187,8 +187,10 @@ def _assign_ports(cfg: FlywheelConfig, nats: Server, redis: Server, run_dir: Pat
     cfg = cfg.model_copy(deep=True)
     a = cfg.addresses
     a.nats_url, a.redis_url = nats.url, redis.url
-    for service in ("controller", "environment", "replay", "rollout", "trainer", "reward_model"):
+    for service in ("controller", "environment", "replay", "rollout", "trainer", "reward_model", "teacher"):
         setattr(a, service, f"127.0.0.1:{free_port()}")
+    if launched_teachers(cfg):  # the replicas this launcher starts, each on its own port; rollout calls them all
+        cfg.teacher.addresses = [a.teacher] + [f"127.0.0.1:{free_port()}" for _ in range(cfg.teacher.num_replicas - 1)]
     cfg.run.run_dir = str(run_dir)
     return cfg
 
@@ -211,6 +213,7 @@ class LocalStack:
                                  password=security.redis_password.get_secret_value())
         self.children.adopt("redis", lambda: start_redis(run_dir / "redis", self.redis.port,
                                                          log_file=(logs / "redis.log").open("a")).proc, self.redis.proc)
+        self.launches_teachers = launched_teachers(cfg) > 0
         self.cfg = _assign_ports(cfg, self.nats, self.redis, run_dir)
         self.cfg.security = security
         self.children.env = secret_env(self.cfg.security)
@@ -222,12 +225,20 @@ class LocalStack:
         if self.cfg.uses_reward_model:
             self.children.start("reward_model", "reward_model", self.config_path)
 
+    def start_teachers(self) -> None:
+        """A distillation run's teacher servers (teacher.num_replicas, unless teacher.addresses names servers of
+        its own), before rollout: they load a model, and rollout's groups wait for their scores."""
+        if self.launches_teachers:
+            for i, address in enumerate(self.cfg.teacher.addresses):
+                self.children.start(f"teacher-{i}", "teacher", self.config_path, [f"addresses.teacher={address}"])
+
     def start_services(self) -> None:
         if self.cfg.algorithm != "grpo":
             for service in OFFLINE_SERVICES:
                 self.children.start(service, service, self.config_path)
             return
         self.start_reward_model()
+        self.start_teachers()
         for service in START_ORDER:
             if service != "rollout":
                 self.children.start(service, service, self.config_path)

@@ -3,8 +3,8 @@
 
     python deploy/compose/gpus.py [--config deploy/compose/config.yaml] [key=value ...] >> deploy/compose/.env
 
-docker-compose.yml reserves `TRAINER_GPU` for the trainer, `ROLLOUT_GPU` for rollout and `REWARD_MODEL_GPU` for
-the reward-model server (device ids, comma-separated). Docker's `count:` would not do: the engine hands every
+docker-compose.yml reserves `TRAINER_GPU` for the trainer, `ROLLOUT_GPU` for rollout, `REWARD_MODEL_GPU` for
+the reward-model server and `TEACHER_GPU` for a distillation run's teacher (one replica) (device ids, comma-separated). Docker's `count:` would not do: the engine hands every
 container that asks for N GPUs the first N. This prints the ids services/common/devices.py plans (what
 `flywheel up` gives the same processes) and refuses what cannot run, with the alternative named. The host's
 GPUs come from CUDA_VISIBLE_DEVICES when set (so `CUDA_VISIBLE_DEVICES=0,1 gpus.py` plans for a two-GPU
@@ -33,7 +33,8 @@ from services.common.devices import (  # noqa: E402
     plan,
 )
 
-VARIABLES = {"trainer": "TRAINER_GPU", "rollout-0": "ROLLOUT_GPU", "reward_model": "REWARD_MODEL_GPU"}
+VARIABLES = {"trainer": "TRAINER_GPU", "rollout-0": "ROLLOUT_GPU", "reward_model": "REWARD_MODEL_GPU",
+             "teacher-0": "TEACHER_GPU"}
 
 
 def compose_plan(cfg, gpus: list[str]) -> tuple[Plan, list[Problem]]:

@@ -71,6 +71,9 @@ def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
         problems.append(f"weight_sync.backend={cfg.weight_sync.backend} needs GPUs; use gloo or filesystem with --cpu")
     if cpu and cfg.policy.generation.backend == "vllm":
         problems.append("policy.generation.backend=vllm needs GPUs here; use hf with --cpu")
+    if cfg.uses_teacher and not cfg.teacher.addresses:  # rollout would wait for ever for its scores
+        problems.append("teacher: this job starts no teacher server; start `flywheel serve teacher` (a job of its "
+                        "own) and name its host:port in teacher.addresses")
     tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size  # a rollout worker takes TP GPUs of its node
     if not cpu and rollout_gpus % tp:
         problems.append(f"--rollout-gpus {rollout_gpus} is not a multiple of "

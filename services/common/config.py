@@ -23,6 +23,7 @@ from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
 from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
+from services.common.config_teacher import TeacherConfig, payload_problem
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
 
@@ -655,6 +656,8 @@ class ServiceAddresses(Section):
     trainer: str = "127.0.0.1:50055"
     reward_model: str = "127.0.0.1:50056"
     """The reward-model server (`flywheel serve reward_model`), when an environment of kind reward_model is used."""
+    teacher: str = "127.0.0.1:50057"
+    """The teacher server (`flywheel serve teacher`) of a distillation run, when teacher.addresses names none."""
     host: str = "127.0.0.1"
     """Host this process advertises to peers (weight-channel rendezvous)."""
 
@@ -841,6 +844,9 @@ class FlywheelConfig(Section):
     """NeMo RL's `dpo:` section: present, the run is DPO on preference pairs."""
     rm: RMSection | None = None
     """NeMo RL's `rm:` section: present, the run trains a reward model on preference pairs."""
+    teacher: TeacherConfig | None = None
+    """NeMo RL's `teacher:` section (config_teacher.py): present, rollout has every group scored by the teacher
+    before it publishes it."""
 
     @property
     def algorithm(self) -> Algorithm:
@@ -928,6 +934,44 @@ class FlywheelConfig(Section):
         if self.uses_reward_model and rm.timeout_s >= self.rollout.step_timeout_s:
             raise ValueError(f"env.reward_model.timeout_s {rm.timeout_s:g} must be below rollout.step_timeout_s "
                              f"({self.rollout.step_timeout_s:g}), the deadline of rollout's Step calls")
+        return self
+
+    @property
+    def uses_teacher(self) -> bool:
+        """The run has a teacher (a `teacher:` section): rollout publishes each group with its scores, and the
+        launchers start the teacher servers. The one test of it, so what makes a run a distillation run can change
+        in one place."""
+        return self.teacher is not None
+
+    @property
+    def teacher_tiny(self) -> TinyModelConfig:
+        """The tiny teacher's shape: policy.tiny with teacher.tiny on top."""
+        return TinyModelConfig(**{**self.policy.tiny.model_dump(), **(self.teacher.tiny if self.uses_teacher else {})})
+
+    @property
+    def teacher_addresses(self) -> list[str]:
+        """The teacher servers rollout calls."""
+        return (self.teacher.addresses if self.uses_teacher else []) or [self.addresses.teacher]
+
+    @model_validator(mode="after")
+    def _teacher_fits(self) -> FlywheelConfig:
+        t = self.teacher
+        if not self.uses_teacher:
+            return self
+        if t.model_name == "tiny":
+            if self.policy.model_name != "tiny":
+                raise ValueError("teacher.model_name tiny: the tiny teacher has the tiny tokenizer's vocabulary, so "
+                                 "the student must be tiny too")
+            try:
+                self.teacher_tiny  # noqa: B018 (validates the merged shape)
+            except ValidationError as err:
+                raise ValueError(f"teacher.tiny: {err.errors()[0]['loc'][0]}: {err.errors()[0]['msg']}") from None
+        elif t.tiny:
+            raise ValueError("teacher.tiny shapes the tiny teacher only; model_name is not tiny")
+        problem = payload_problem(t.topk_logits_k, self.grpo.num_generations_per_prompt,
+                                  self.policy.max_total_sequence_length)
+        if problem:
+            raise ValueError(f"teacher.topk_logits_k: {problem}")
         return self
 
     @model_validator(mode="after")

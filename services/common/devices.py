@@ -6,8 +6,8 @@
 A process sees only its own devices, so its `cuda:0` is the first of them: trainer rank r takes the r-th
 of the trainer's (services/trainer/distributed.py), a vLLM engine its TP ranks' in order. Placement:
 the trainer's ranks first, each on its own device (NCCL refuses two ranks of one communicator on one
-device); then rollout workers (vLLM: tensor_parallel_size devices each) and the reward-model server on the
-devices after the trainer's, wrapping round when there are fewer than they ask for, so workers then share.
+device); then rollout workers (vLLM: tensor_parallel_size devices each), the reward-model server and a
+distillation run's teacher servers on the devices after the trainer's, wrapping round when there are fewer than they ask for, so workers then share.
 Where nothing is left after the trainer (one GPU), rollout time-shares the trainer's devices.
 
 What cannot work is refused with the alternative named (`problems`), each under a dotted key, as config
@@ -51,6 +51,8 @@ class Demand:
     """env.reward_model's server runs here (one device)."""
     nccl: bool
     """weight_sync.backend is nccl: trainer rank 0 and each worker's first device form one NCCL communicator."""
+    teachers: int = 0
+    """Teacher servers of a distillation run started here (teacher.num_replicas; one device each)."""
 
 
 def demand_of(cfg: FlywheelConfig) -> Demand:
@@ -60,7 +62,12 @@ def demand_of(cfg: FlywheelConfig) -> Demand:
     return Demand(trainer_ranks=cfg.trainer.nproc_per_node if on_gpu else 0, rollout_workers=cfg.rollout.num_workers,
                   rollout_gpus=gen.vllm_cfg.tensor_parallel_size if vllm else 0,
                   vllm_memory=gen.vllm_cfg.gpu_memory_utilization if vllm else 0.0,
-                  reward_model=cfg.uses_reward_model, nccl=cfg.weight_sync.backend == "nccl")
+                  reward_model=cfg.uses_reward_model, nccl=cfg.weight_sync.backend == "nccl", teachers=launched_teachers(cfg))
+
+
+def launched_teachers(cfg: FlywheelConfig) -> int:
+    """Teacher servers a launcher starts: teacher.num_replicas, none when teacher.addresses names the servers."""
+    return cfg.teacher.num_replicas if cfg.uses_teacher and not cfg.teacher.addresses else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +126,9 @@ def plan(demand: Demand, gpus: list[str] | tuple[str, ...]) -> Plan:
         slot += demand.rollout_gpus
     if demand.reward_model:
         devices["reward_model"] = (pool[slot % len(pool)],)
+        slot += 1
+    for i in range(demand.teachers):
+        devices[f"teacher-{i}"] = (pool[(slot + i) % len(pool)],)
     return Plan(gpus=gpus, devices=devices)
 
 

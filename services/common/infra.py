@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.config_teacher import NATS_MAX_PAYLOAD
 
 _handed_out: set[int] = set()
 _rng = random.Random()  # its own generator: a run seeding `random` must not make two processes draw alike
@@ -132,12 +133,15 @@ def start_nats(store_dir: Path, port: int = 0, *, log_file=subprocess.DEVNULL, t
     auth = store_dir / "auth.conf"
     if token:
         _private_file(auth, f'authorization {{\n  token: "{token}"\n}}\n')
-    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js", "-sd", str(store_dir)]
+    # One config file for the server: the deployments' max_payload (a distillation group with its teacher's
+    # top-k can pass NATS' 1 MB default) and, where set, the token kept in auth.conf.
+    conf = _private_file(store_dir / "nats.conf", f"max_payload: {NATS_MAX_PAYLOAD}\n"
+                         + ("include ./auth.conf\n" if auth.exists() else ""))
+    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js", "-sd", str(store_dir), "-c", str(conf)]
     url = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
     said = tempfile.TemporaryFile() if log_file is subprocess.DEVNULL else None  # why, should it exit starting
     out = said or log_file
-    proc = subprocess.Popen(dying_with_parent(args + (["-c", str(auth)] if auth.exists() else [])),
-                            stdout=out, stderr=out)
+    proc = subprocess.Popen(dying_with_parent(args), stdout=out, stderr=out)
     _wait(lambda: urllib.request.urlopen(url, timeout=1).status == 200, "nats-server", 15, proc, said)
     return Server(proc, f"nats://127.0.0.1:{port}", port)
 

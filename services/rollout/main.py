@@ -6,7 +6,8 @@
 A worker generates up to `cfg.groups_in_flight` groups at once (rollout.max_groups_in_flight; by default
 its share of a step) and pulls no more until one has been generated: the rest stay in the work queue for
 other workers (back-pressure), and a fleet of workers, each with its own engine, can join or leave while
-the run goes on. A generated group is scored and published while the engine works on the next ones; at
+the run goes on. A generated group is scored (and in a distillation run given its teacher's top-k,
+teacher_client.py, which waits out a teacher restart) and published while the engine works on the next ones; at
 most as many groups are scored and published at once (a group waits for that, its generation slot held), so
 a worker holds at most twice groups_in_flight groups. The groups pulled for the slots that are free
 together are pulled in one fetch and start together, so the engine batches them. A group is acked only
@@ -56,6 +57,7 @@ from services.rollout.agent_groups import AgentFailed, AgentGroups
 from services.rollout.engines import Engine, Sampling, make_engine
 from services.rollout.episodes import EpisodeRunner, prompt_token_ids
 from services.rollout.failures import GONE, POISON, describe, fate, transient
+from services.rollout.teacher_client import TeacherClient
 
 log = logging.getLogger("flywheel.rollout")
 _warn = RateLimitedLog(log)
@@ -200,6 +202,9 @@ class RolloutWorker:
         self._announcements: asyncio.Queue = asyncio.Queue()
         self.endpoint = None
         """The worker's EndpointServer when policy.generation.endpoint.enabled (agents call it)."""
+        self.teacher = (TeacherClient(cfg.teacher_addresses, cfg.security, cfg.teacher.timeout_s)
+                        if cfg.uses_teacher else None)
+        """Distillation: scores each group before it is published (teacher_client.py)."""
 
     @property
     def version(self) -> int:
@@ -303,6 +308,9 @@ class RolloutWorker:
                                                                "flywheel.target_step": group.target_step,
                                                                "flywheel.worker": self.worker_id}) as span:
                 traj = await self._run_group(group, slot)
+                if self.teacher is not None:  # the engine is already on the next groups (slot.generated)
+                    with self.tracer.start_as_current_span("teacher.score"):
+                        await self.teacher.score(traj)
                 traj.traceparent = current_traceparent()  # the trainer links its step to this trace
                 span.set_attributes({"flywheel.version_start": traj.version_start,
                                      "flywheel.generation_seconds": traj.generation_seconds,
@@ -412,6 +420,8 @@ async def serve(cfg: FlywheelConfig) -> None:
     finally:
         if worker.endpoint is not None:
             await worker.endpoint.stop()
+        if worker.teacher is not None:
+            await worker.teacher.close()
         await bus.close()
         await engine.close()
 

@@ -293,7 +293,8 @@ def _env_lines(stdout: str) -> dict[str, str]:
 
 
 def test_each_gpu_service_reserves_the_devices_of_its_own_variable_never_a_count(compose):
-    for name, var in (("trainer", "TRAINER_GPU"), ("rollout", "ROLLOUT_GPU"), ("reward-model", "REWARD_MODEL_GPU")):
+    for name, var in (("trainer", "TRAINER_GPU"), ("rollout", "ROLLOUT_GPU"), ("reward-model", "REWARD_MODEL_GPU"),
+                      ("teacher", "TEACHER_GPU")):
         (device,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert "count" not in device  # the engine would give every container the first GPUs
         assert re.fullmatch(rf"\$\{{{var}:-\d\}}", device["device_ids"][0]) and len(device["device_ids"]) == 1
