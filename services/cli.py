@@ -87,7 +87,7 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     try:
         check_chat_template(cfg.policy)
         check_trackers(cfg)
-        cfg, lines = plan_config(cfg) if cfg.algorithm == "grpo" else offline_plan_config(cfg)
+        cfg, lines = plan_config(cfg) if cfg.offline is None else offline_plan_config(cfg)
     except DataError as err:
         raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
     except TrackerError as err:

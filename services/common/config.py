@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.config_distillation import DistillationSection, TeacherConfig, copy_loop, distillation_problems
 from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
@@ -275,6 +276,12 @@ class LossConfig(Section):
     use_cispo: bool = False
     """CISPO (MiniMax-M1): the surrogate is -A * sg(r_clip) * logprob, so the clip bounds each token's weight
     but never drops its gradient; token level, with none of the other ratio options."""
+    kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
+    """Distillation only (NeMo RL's DistillationLossConfig): forward KL(teacher || student), reverse, or mixed."""
+    mixed_kl_weight: float = Field(0.5, ge=0, le=1)
+    """Distillation only: the forward KL's weight under kl_type mixed; the reverse KL gets 1 - w."""
+    zero_outside_topk: bool = False
+    """Distillation only: the student's probabilities over the full vocabulary, the teacher's zero outside its top-k."""
 
     @model_validator(mode="after")
     def _gspo_is_sequence_level(self) -> LossConfig:
@@ -841,16 +848,36 @@ class FlywheelConfig(Section):
     """NeMo RL's `dpo:` section: present, the run is DPO on preference pairs."""
     rm: RMSection | None = None
     """NeMo RL's `rm:` section: present, the run trains a reward model on preference pairs."""
+    distillation: DistillationSection | None = None
+    """NeMo RL's `distillation:` section: present, the run distils teacher into policy on the student's own samples."""
+    teacher: TeacherConfig = TeacherConfig()
+    """The teacher of a distillation run (config_distillation.py)."""
 
     @property
     def algorithm(self) -> Algorithm:
-        """Which top-level section is present: sft, dpo or rm; grpo otherwise."""
-        return next((name for name in OFFLINE if getattr(self, name) is not None), "grpo")
+        """Which top-level section is present: sft, dpo, rm or distillation; grpo otherwise."""
+        return next((name for name in (*OFFLINE, "distillation") if getattr(self, name) is not None), "grpo")
 
     @property
     def offline(self) -> OfflineLoopConfig | None:
-        """The offline algorithm's section, None under GRPO."""
-        return getattr(self, self.algorithm) if self.algorithm != "grpo" else None
+        """The offline algorithm's section (sft, dpo, rm), None under GRPO and distillation, which roll out."""
+        return getattr(self, self.algorithm) if self.algorithm in OFFLINE else None
+
+    @model_validator(mode="after")
+    def _distillation_loop(self) -> FlywheelConfig:
+        """Distillation rolls out as GRPO does: its loop keys drive the same machinery through grpo.*."""
+        if self.distillation is None:
+            kept = sorted(self.loss_fn.model_fields_set & {"kl_type", "mixed_kl_weight", "zero_outside_topk"})
+            if kept:
+                raise ValueError(f"loss_fn {kept}: on-policy distillation's keys; they need a distillation: section")
+            return self
+        others = [name for name in OFFLINE if getattr(self, name) is not None]
+        problems = [f"sections {others}: a run trains one algorithm"] if others else []
+        problems += distillation_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.run.seed = copy_loop(self.distillation, self.grpo, self.teacher)
+        return self
 
     @model_validator(mode="after")
     def _offline_loop(self) -> FlywheelConfig:

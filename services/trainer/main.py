@@ -73,6 +73,9 @@ class RankWork:
     def train_offline(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.offline_step(batch)
 
+    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
+        return self.backend.distill_step(batch)
+
     def validate(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.validate(batch)
 
@@ -136,7 +139,7 @@ class Trainer:
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
         self.batches_path = Path(cfg.run.run_dir or ".") / "batches.jsonl"
         """One row per step: the groups it trained on (id, target step, version_start); the run's audit trail."""
-        self.offline = OfflineRun(cfg, self.work.backend.tokenizer) if cfg.algorithm != "grpo" else None
+        self.offline = OfflineRun(cfg, self.work.backend.tokenizer) if cfg.offline is not None else None
         """SFT or DPO: no rollout to sync weights to, the offline step, validation by the loss (offline.py)."""
 
     def members(self) -> list[str]:
@@ -268,9 +271,14 @@ class Trainer:
         timeline = group_timeline(response.groups, self.synced_at_ns, self.sample_returned_ns)
         self._ask_early(step + 1)
         t0 = time.perf_counter()
+        distilling = self.cfg.algorithm == "distillation"
         batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
-                            overlong_filtering=self.cfg.grpo.overlong_filtering)
-        if self.offline is None:
+                            overlong_filtering=self.cfg.grpo.overlong_filtering,
+                            teacher_k=self.cfg.teacher.topk_logits_k if distilling else None)
+        if distilling:  # the KL to the teacher's top-k: no advantages (the environment's reward is only reported)
+            adv_metrics, build_s = {}, time.perf_counter() - t0
+            metrics = await self._call("train_distill", batch)
+        elif self.offline is None:
             advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
             build_s = time.perf_counter() - t0
             metrics = await self._call("train", batch, advantages)
