@@ -22,7 +22,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
-from services.common.config_distillation import DistillationSection, TeacherConfig, copy_loop, distillation_problems
+from services.common.config_distillation import (DISTILLATION_LOSS_KEYS, DistillationSection, TeacherConfig, changed,
+                                                 copy_loop, distillation_problems)
 from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
@@ -867,7 +868,7 @@ class FlywheelConfig(Section):
     def _distillation_loop(self) -> FlywheelConfig:
         """Distillation rolls out as GRPO does: its loop keys drive the same machinery through grpo.*."""
         if self.distillation is None:
-            kept = sorted(self.loss_fn.model_fields_set & {"kl_type", "mixed_kl_weight", "zero_outside_topk"})
+            kept = sorted(changed(self.loss_fn) & DISTILLATION_LOSS_KEYS)
             if kept:
                 raise ValueError(f"loss_fn {kept}: on-policy distillation's keys; they need a distillation: section")
             return self

@@ -72,16 +72,24 @@ def copy_loop(loop: DistillationSection, grpo: Any, teacher: TeacherConfig) -> i
     return loop.seed
 
 
+def changed(section: Any) -> set[str]:
+    """The fields of a config section whose value is not its default's, as validated (a resolved config written back
+    sets every field, so which fields were written says nothing)."""
+    default = type(section)()
+    return {name for name in type(section).model_fields if getattr(section, name) != getattr(default, name)}
+
+
 def distillation_problems(cfg: Any) -> list[str]:
-    """What a distillation run cannot take (cfg: FlywheelConfig, before copy_loop), one reason each."""
+    """What a distillation run cannot take (cfg: FlywheelConfig), one reason each."""
     out = []
     if cfg.teacher.model_name is None:
         out.append("teacher.model_name: a distillation run needs a teacher (a Hugging Face id or directory)")
-    pg_keys = sorted(cfg.loss_fn.model_fields_set - DISTILLATION_LOSS_KEYS)
+    pg_keys = sorted(changed(cfg.loss_fn) - DISTILLATION_LOSS_KEYS)
     if pg_keys:
         out.append(f"loss_fn {pg_keys}: GRPO's clipped policy-gradient keys; a distillation run's loss is NeMo RL's "
                    f"DistillationLossFn, which reads only {sorted(DISTILLATION_LOSS_KEYS)}")
-    grpo_keys = sorted(cfg.grpo.model_fields_set - GRPO_KEYS_KEPT)
+    copied = {key for key in LOOP_KEYS if getattr(cfg.grpo, key) == getattr(cfg.distillation, key)}
+    grpo_keys = sorted(changed(cfg.grpo) - GRPO_KEYS_KEPT - copied)
     if grpo_keys:
         out.append(f"grpo {grpo_keys}: set the loop under distillation.* (a distillation run reads only "
                    f"grpo.async_grpo, its staleness bound)")
