@@ -43,6 +43,7 @@ from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_
 from services.common.server import (RETRIED, RPC_ERRORS, channel, freeze_startup_heap, in_daemon_thread, retrying,
                                    run_service)
 from services.common.telemetry import setup_telemetry, start_step_span
+from services.common.tokenizing import check_same_vocabulary
 from services.common.weights import WeightSender
 from services.trainer.backends import make_backend
 from services.trainer.batch import TrainBatch, batch_advantages, build_batch
@@ -442,6 +443,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(cfg: FlywheelConfig) -> None:
+    if cfg.algorithm == "distillation":  # before any rank starts: a teacher of another vocabulary is refused
+        check_same_vocabulary(cfg.policy, cfg.teacher.model_name)
     if rank_from_env() is None and cfg.trainer.nproc_per_node > 1:
         code = launch_ranks(cfg, cfg.trainer.nproc_per_node)  # this process only watches the ranks
         if code:
