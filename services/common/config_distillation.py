@@ -49,6 +49,9 @@ class DistillationSection(Section):
     """k: the teacher's logits kept at each position (copied to teacher.topk_logits_k)."""
     seed: int = 42
     """Copied to run.seed."""
+    env_reward_weight: float = Field(0.0, ge=0)
+    """Flywheel's, not NeMo RL's (whose distillation loss has no reward): w > 0 adds w × GRPO's clipped policy-gradient
+    loss on the environment's reward (GRPO advantages and loss_fn defaults) to the KL. Needs 2+ generations a prompt."""
 
 
 class TeacherConfig(Section):
@@ -95,6 +98,8 @@ def distillation_problems(cfg: Any) -> list[str]:
                    f"grpo.async_grpo, its staleness bound)")
     if cfg.policy.megatron_cfg.enabled:
         out.append("policy.megatron_cfg.enabled: the distillation step is the FSDP2 backend's; set it false")
+    if cfg.distillation.env_reward_weight and cfg.distillation.num_generations_per_prompt < 2:
+        out.append("distillation.env_reward_weight: GRPO's advantages need distillation.num_generations_per_prompt >= 2")
     if cfg.policy.lora_cfg.enabled:
         out.append("policy.lora_cfg: LoRA with distillation is not built")
     return out

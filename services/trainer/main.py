@@ -74,8 +74,8 @@ class RankWork:
     def train_offline(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.offline_step(batch)
 
-    def train_distill(self, batch: TrainBatch) -> dict[str, float]:
-        return self.backend.distill_step(batch)
+    def train_distill(self, batch: TrainBatch, advantages: torch.Tensor | None) -> dict[str, float]:
+        return self.backend.distill_step(batch, advantages)
 
     def validate(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.validate(batch)
@@ -276,9 +276,11 @@ class Trainer:
         batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
                             overlong_filtering=self.cfg.grpo.overlong_filtering,
                             teacher_k=self.cfg.teacher.topk_logits_k if distilling else None)
-        if distilling:  # the KL to the teacher's top-k: no advantages (the environment's reward is only reported)
-            adv_metrics, build_s = {}, time.perf_counter() - t0
-            metrics = await self._call("train_distill", batch)
+        if distilling:  # the KL to the teacher's top-k; GRPO's advantages only with distillation.env_reward_weight
+            rewarded = self.cfg.distillation.env_reward_weight > 0
+            advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo) if rewarded else (None, {})
+            build_s = time.perf_counter() - t0
+            metrics = await self._call("train_distill", batch, advantages)
         elif self.offline is None:
             advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
             build_s = time.perf_counter() - t0

@@ -189,9 +189,9 @@ class FSDP2Backend(TrainingBackend):
     def validate(self, b: TrainBatch) -> dict[str, float]:
         return offline_validate(self, b)
 
-    def distill_step(self, b: TrainBatch) -> dict[str, float]:
+    def distill_step(self, b: TrainBatch, advantages: Tensor | None = None) -> dict[str, float]:
         """On-policy distillation: the KL to the teacher's top-k instead of GRPO's loss (distill_step.py)."""
-        return distill_step(self, b)
+        return distill_step(self, b, advantages)
 
     def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
                         micro_batches: list[list[int]]) -> dict[str, float]:

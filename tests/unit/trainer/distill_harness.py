@@ -24,7 +24,8 @@ def completion(g: torch.Generator, vocab: int, k: int, observation_at: int | Non
     if observation_at is not None:
         ids[observation_at:observation_at] = [5, 6]
         mask[observation_at:observation_at] = [False, False]
-    c = types_pb2.Completion(token_ids=ids, generated_mask=mask, generation_logprobs=[-1.0] * len(ids), reward=1.0)
+    c = types_pb2.Completion(token_ids=ids, generated_mask=mask, generation_logprobs=[-1.0] * len(ids),
+                             reward=float(n % 2))  # varied within a group: GRPO advantages that are not all 0
     c.teacher.k = k
     for _ in ids:
         values, indices = teacher_row(g, vocab, k)

@@ -15,7 +15,7 @@ from trainer_harness import run_ranks
 from services.common.config import load_config
 from services.common.modeling import build_tiny_tokenizer, load_policy
 from services.trainer.backends.fsdp2 import FSDP2Backend
-from services.trainer.batch import build_batch
+from services.trainer.batch import batch_advantages, build_batch
 from services.trainer.distributed import init_distributed
 
 VOCAB = len(build_tiny_tokenizer())
@@ -88,3 +88,42 @@ def test_repeated_steps_pull_the_student_towards_a_fixed_teachers_topk(tmp_path)
     losses = [m["loss"] for m in torch.load(out)["metrics"]]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _three_updates(rank: int, out: str) -> None:
+    """The weights' change after one SGD step of: the KL alone, the KL + 0.5 × the reward term, GRPO alone."""
+    info = init_distributed(120)
+    deltas, metrics = [], []
+    for overrides, grpo in ((SGD, False), (SGD + REWARDED, False), (SGD, True)):
+        cfg = load_config(None, (["policy.train_micro_batch_size=3", "policy.generation.temperature=0.7"] if grpo
+                                 else BASE) + overrides)
+        backend = FSDP2Backend(cfg, info)
+        batch = build_batch(groups(VOCAB), pad_id=backend.tokenizer.pad_token_id, teacher_k=K)
+        advantages, _ = batch_advantages(batch, cfg.grpo)
+        before = {k: v.clone() for k, v in backend.full_state_dict().items()}
+        if grpo:
+            metrics.append(backend.train_step(batch, advantages))
+        else:
+            metrics.append(backend.distill_step(batch, advantages if overrides != SGD else None))
+        deltas.append({k: v - before[k] for k, v in backend.full_state_dict().items()})
+    torch.save({"deltas": deltas, "metrics": metrics}, out)
+
+
+REWARDED = ["++distillation.env_reward_weight=0.5", "++distillation.num_generations_per_prompt=3"]
+
+
+def test_an_environment_reward_adds_its_weight_times_grpos_update_to_the_kls(tmp_path):
+    """distillation.env_reward_weight: the loss is KL + w × GRPO's, so with SGD the update is the KL's plus w times the
+    one GRPO's own (separately tested) step makes on the same batch and advantages."""
+    out = str(tmp_path / "out.pt")
+    run_ranks(1, _three_updates, out)
+    got = torch.load(out)
+    kl, both, grpo = got["deltas"]
+    for name in kl:
+        torch.testing.assert_close(both[name], kl[name] + 0.5 * grpo[name], rtol=0, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    assert max(v.abs().max().item() for v in grpo.values()) > 1e-3  # the reward term moved the weights
+    m_kl, m_both, m_grpo = got["metrics"]
+    assert m_both["kl_loss"] == pytest.approx(m_kl["loss"], rel=1e-5)
+    assert m_both["env_reward/loss"] == pytest.approx(m_grpo["loss"], rel=1e-5, abs=1e-7)
+    assert m_both["loss"] == pytest.approx(m_kl["loss"] + 0.5 * m_grpo["loss"], rel=1e-5, abs=1e-7)
