@@ -1,4 +1,4 @@
-"""The trainer loop: for each step s, Sample(s) from replay, one GRPO step, publish weights s + 1.
+"""The trainer loop: for each step s, Sample(s) from replay, one GRPO (or distillation) step, publish weights s + 1.
 
     replay ──Sample(s)──▶ advantages ─▶ all ranks: clipped PG loss, optimizer step(s) ─▶ WeightSender.sync(s + 1)
                                                                                          ├▶ checkpoint (every save_period)
