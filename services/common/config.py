@@ -871,6 +871,9 @@ class FlywheelConfig(Section):
             kept = sorted(changed(self.loss_fn) & DISTILLATION_LOSS_KEYS)
             if kept:
                 raise ValueError(f"loss_fn {kept}: on-policy distillation's keys; they need a distillation: section")
+            if changed(self.teacher):
+                raise ValueError(f"teacher {sorted(changed(self.teacher))}: only a distillation run has a teacher; "
+                                 f"add a distillation: section")
             return self
         others = [name for name in OFFLINE if getattr(self, name) is not None]
         problems = [f"sections {others}: a run trains one algorithm"] if others else []

@@ -70,9 +70,11 @@ def test_a_key_flywheel_cannot_honour_in_a_distillation_run_is_refused_with_its_
     assert any(f": {key}: " in line and reason in line for line in str(err.value).splitlines()), str(err.value)
 
 
-def test_distillation_loss_keys_outside_a_distillation_run_are_refused():
+def test_distillation_loss_and_teacher_keys_outside_a_distillation_run_are_refused():
     with pytest.raises(ConfigError, match="on-policy distillation's keys; they need a distillation: section"):
         load_config(None, ["loss_fn.kl_type=forward"])
+    with pytest.raises(ConfigError, match=r"teacher \['model_name'\]: only a distillation run has a teacher"):
+        load_config(None, ["teacher.model_name=tiny"])
 
 
 def test_a_resolved_distillation_config_loads_back_the_same(tmp_path):
