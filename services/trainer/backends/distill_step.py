@@ -13,7 +13,8 @@ The student's temperature is policy.generation.temperature, the one it sampled w
 
 Environment reward (Flywheel's distillation.env_reward_weight w, 0 by default as NeMo RL has none): each micro-batch
 adds w × GRPO's clipped policy-gradient share (algorithms/loss.py, loss_fn's defaults, the batch's GRPO advantages)
-computed from the same forward, normalised over the same optimizer step's tokens and sequences.
+computed from the same forward, normalised over the same optimizer step's tokens and sequences. Its ratio is taken
+against that forward, detached (prev = current, as force_on_policy_ratio), in every optimizer step of the trainer step.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def micro_loss(be, b: TrainBatch, rows: list[int], totals: dict[str, float], adv
     curr = token_logprobs(logits, b.targets[rows, :width].to(logits.device), temperature)
     data = LossInputs(prev_logprobs=None, generation_logprobs=b.generation_logprobs, reference_logprobs=None,
                       advantages=advantages, token_mask=b.token_mask, sample_mask=b.sample_mask)
-    pg, pg_metrics = clipped_pg_loss(curr, be.forward.loss_inputs(data, rows, width), be.cfg.loss_fn, **totals)
+    pg, pg_metrics = clipped_pg_loss(curr, be.forward.loss_inputs(data, rows, width), be.cfg.loss_fn,
+                                     global_valid_tokens=max(1.0, totals["global_valid_tokens"]),  # as GRPO's step
+                                     global_valid_seqs=totals["global_valid_seqs"])
     loss = kl + be.cfg.distillation.env_reward_weight * pg
     return loss, {**{f"env_reward/{k}": v for k, v in pg_metrics.items()}, "kl_loss": metrics["loss"],
                   "loss": loss.item(), "num_valid_samples": metrics["num_valid_samples"]}
