@@ -71,10 +71,12 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = load_config(None, [
-        "teacher.model_name=tiny", f"teacher.topk_logits_k={a.k}", f"addresses.teacher=127.0.0.1:{free_port()}",
+        "++distillation={}", "teacher.model_name=tiny", f"distillation.topk_logits_k={a.k}",
+        f"addresses.teacher=127.0.0.1:{free_port()}",
         f"teacher.tiny={{hidden_size: {a.hidden}, num_hidden_layers: {a.layers}, num_attention_heads: "
         f"{max(a.hidden // 64, 1)}, intermediate_size: {2 * a.hidden}}}",
-        f"grpo.num_generations_per_prompt={a.completions}", f"policy.max_total_sequence_length={a.prompt + a.tokens}",
+        f"distillation.num_generations_per_prompt={a.completions}",
+        f"policy.max_total_sequence_length={a.prompt + a.tokens}",
         f"teacher.max_batch_tokens={a.completions * (a.prompt + a.tokens)}"])
     teacher = Teacher(load_teacher(cfg), k=a.k, max_len=cfg.policy.max_total_sequence_length,
                       max_batch_tokens=cfg.teacher.max_batch_tokens)

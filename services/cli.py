@@ -86,10 +86,11 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     from services.controller.tracking import TrackerError, check_trackers
 
     cfg.policy.generation.check_tool_parser()
+    check_teacher(cfg)
     try:
         check_chat_template(cfg.policy)
         check_trackers(cfg)
-        cfg, lines = plan_config(cfg) if cfg.algorithm == "grpo" else offline_plan_config(cfg)
+        cfg, lines = plan_config(cfg) if cfg.offline is None else offline_plan_config(cfg)
     except DataError as err:
         raise ConfigError("\n".join(f"data error: {line}" for line in str(err).splitlines())) from None
     except TrackerError as err:
@@ -97,6 +98,19 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     for line in lines:
         print(line, flush=True)
     return cfg
+
+
+def check_teacher(cfg: FlywheelConfig) -> None:
+    """A distillation run's teacher must share the student's tokenizer and vocabulary (NeMo RL's check): refused here,
+    before anything starts, and again by the trainer as it starts (a run launched another way)."""
+    if cfg.algorithm != "distillation":
+        return
+    from services.common.tokenizing import check_same_vocabulary
+
+    try:
+        check_same_vocabulary(cfg.policy, cfg.teacher.model_name)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"config error: teacher.model_name: {err}") from None
 
 
 def cmd_eval(args) -> int:

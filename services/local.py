@@ -233,7 +233,7 @@ class LocalStack:
                 self.children.start(f"teacher-{i}", "teacher", self.config_path, [f"addresses.teacher={address}"])
 
     def start_services(self) -> None:
-        if self.cfg.algorithm != "grpo":
+        if self.cfg.offline is not None:
             for service in OFFLINE_SERVICES:
                 self.children.start(service, service, self.config_path)
             return
@@ -391,7 +391,7 @@ async def _final_validation(cfg: FlywheelConfig, version: int, children: Childre
 def _progress_line(cfg: FlywheelConfig, report: types_pb2.StepReport, elapsed: float) -> str:
     m = report.metrics
     step_s = m["timing/train/total_step_time"]
-    if cfg.algorithm != "grpo":
+    if cfg.offline is not None:
         val = {k.removeprefix("validation/"): v for k, v in m.items() if k in ("validation/val_loss", "validation/loss")}
         accuracy = f"  accuracy {m['train/accuracy']:.3f}" if "train/accuracy" in m else ""
         return (f"step {report.step + 1:>4}/{cfg.grpo.max_num_steps}  {cfg.algorithm} loss {m['train/loss']:.4f}"
@@ -427,7 +427,7 @@ def summary_lines(cfg: FlywheelConfig, rows: list[dict]) -> list[str]:
         return sum(r[key] for r in rs) / len(rs)
 
     first, last = rows[:10], rows[-10:]
-    if cfg.algorithm != "grpo":  # no rollout, no reward: the loss and the trainer's time
+    if cfg.offline is not None:  # no rollout, no reward: the loss and the trainer's time
         return [f"summary: {len(rows)} {cfg.algorithm} steps",
                 f"  loss: first 10 steps {mean('train/loss', first):.4f} -> last 10 steps {mean('train/loss', last):.4f}",
                 f"  mean step time {mean('timing/train/total_step_time'):.3f} s; replay {mean('timing/train/replay'):.3f}, "

@@ -22,6 +22,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
 from services.common.config_loader import ComposeError, Problem, compose_tree
+from services.common.config_distillation import (DISTILLATION_LOSS_KEYS, DistillationSection, changed, copy_loop,
+                                                 distillation_problems)
 from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, DPOSection, OfflineLoopConfig, RMSection, SFTSection
 from services.common.config_teacher import TeacherConfig, payload_problem
 from services.common.devices import config_problems
@@ -276,6 +278,12 @@ class LossConfig(Section):
     use_cispo: bool = False
     """CISPO (MiniMax-M1): the surrogate is -A * sg(r_clip) * logprob, so the clip bounds each token's weight
     but never drops its gradient; token level, with none of the other ratio options."""
+    kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
+    """Distillation only (NeMo RL's DistillationLossConfig): forward KL(teacher || student), reverse, or mixed."""
+    mixed_kl_weight: float = Field(0.5, ge=0, le=1)
+    """Distillation only: the forward KL's weight under kl_type mixed; the reverse KL gets 1 - w."""
+    zero_outside_topk: bool = False
+    """Distillation only: the student's probabilities over the full vocabulary, the teacher's zero outside its top-k."""
 
     @model_validator(mode="after")
     def _gspo_is_sequence_level(self) -> LossConfig:
@@ -844,19 +852,40 @@ class FlywheelConfig(Section):
     """NeMo RL's `dpo:` section: present, the run is DPO on preference pairs."""
     rm: RMSection | None = None
     """NeMo RL's `rm:` section: present, the run trains a reward model on preference pairs."""
-    teacher: TeacherConfig | None = None
-    """NeMo RL's `teacher:` section (config_teacher.py): present, rollout has every group scored by the teacher
-    before it publishes it."""
+    distillation: DistillationSection | None = None
+    """NeMo RL's `distillation:` section: present, the run distils teacher into policy on the student's own samples."""
+    teacher: TeacherConfig = TeacherConfig()
+    """The teacher of a distillation run (config_teacher.py): rollout has every group scored by it before it
+    publishes the group."""
 
     @property
     def algorithm(self) -> Algorithm:
-        """Which top-level section is present: sft, dpo or rm; grpo otherwise."""
-        return next((name for name in OFFLINE if getattr(self, name) is not None), "grpo")
+        """Which top-level section is present: sft, dpo, rm or distillation; grpo otherwise."""
+        return next((name for name in (*OFFLINE, "distillation") if getattr(self, name) is not None), "grpo")
 
     @property
     def offline(self) -> OfflineLoopConfig | None:
-        """The offline algorithm's section, None under GRPO."""
-        return getattr(self, self.algorithm) if self.algorithm != "grpo" else None
+        """The offline algorithm's section (sft, dpo, rm), None under GRPO and distillation, which roll out."""
+        return getattr(self, self.algorithm) if self.algorithm in OFFLINE else None
+
+    @model_validator(mode="after")
+    def _distillation_loop(self) -> FlywheelConfig:
+        """Distillation rolls out as GRPO does: its loop keys drive the same machinery through grpo.*."""
+        if self.distillation is None:
+            kept = sorted(changed(self.loss_fn) & DISTILLATION_LOSS_KEYS)
+            if kept:
+                raise ValueError(f"loss_fn {kept}: on-policy distillation's keys; they need a distillation: section")
+            if changed(self.teacher):
+                raise ValueError(f"teacher {sorted(changed(self.teacher))}: only a distillation run has a teacher; "
+                                 f"add a distillation: section")
+            return self
+        others = [name for name in OFFLINE if getattr(self, name) is not None]
+        problems = [f"sections {others}: a run trains one algorithm"] if others else []
+        problems += distillation_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.run.seed = copy_loop(self.distillation, self.grpo, self.teacher)
+        return self
 
     @model_validator(mode="after")
     def _offline_loop(self) -> FlywheelConfig:
@@ -941,17 +970,17 @@ class FlywheelConfig(Section):
         """The run has a teacher (a `teacher:` section): rollout publishes each group with its scores, and the
         launchers start the teacher servers. The one test of it, so what makes a run a distillation run can change
         in one place."""
-        return self.teacher is not None
+        return self.distillation is not None
 
     @property
     def teacher_tiny(self) -> TinyModelConfig:
         """The tiny teacher's shape: policy.tiny with teacher.tiny on top."""
-        return TinyModelConfig(**{**self.policy.tiny.model_dump(), **(self.teacher.tiny if self.uses_teacher else {})})
+        return TinyModelConfig(**{**self.policy.tiny.model_dump(), **self.teacher.tiny})
 
     @property
     def teacher_addresses(self) -> list[str]:
         """The teacher servers rollout calls."""
-        return (self.teacher.addresses if self.uses_teacher else []) or [self.addresses.teacher]
+        return self.teacher.addresses or [self.addresses.teacher]
 
     @model_validator(mode="after")
     def _teacher_fits(self) -> FlywheelConfig:

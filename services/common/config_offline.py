@@ -17,7 +17,7 @@ from pydantic import Field
 from services.common.config_base import Section
 from services.common.nemo_rl_rules import Rule, is_, same_as
 
-Algorithm = Literal["grpo", "sft", "dpo", "rm"]
+Algorithm = Literal["grpo", "sft", "dpo", "rm", "distillation"]
 OFFLINE = ("sft", "dpo", "rm")
 UNBOUNDED_STEPS = 10**9
 """grpo.max_num_steps for max_num_steps -1: the epochs end the run."""

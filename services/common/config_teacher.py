@@ -29,9 +29,10 @@ BYTES_PER_TOPK = 8
 class TeacherConfig(Section):
     """The frozen teacher that scores the student's samples (`flywheel serve teacher`, services/rollout/teacher.py)."""
 
-    model_name: str = Field(min_length=1)
+    model_name: str | None = Field(None, min_length=1)
     """A Hugging Face causal LM (id or local path), a `flywheel export` directory, or "tiny" (built locally
-    from policy.tiny with `tiny` applied on top and its own `seed`)."""
+    from policy.tiny with `tiny` applied on top and its own `seed`). Required in a distillation run; its
+    tokenizer and vocabulary must be the student's (checked before the run starts)."""
     tiny: dict[str, Any] = {}
     """For model_name "tiny": policy.tiny's keys the teacher changes (e.g. {hidden_size: 128, num_hidden_layers:
     4}: a larger teacher). Its vocabulary is the tiny tokenizer's, as the student's."""
@@ -40,7 +41,7 @@ class TeacherConfig(Section):
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the teacher's weights and logits (the logits travel as float32)."""
     topk_logits_k: int = Field(64, gt=0, le=4096)
-    """k: the teacher's largest logits kept per position (NeMo RL's distillation.topk_logits_k)."""
+    """k: the teacher's largest logits kept per position (a distillation run sets it from distillation.topk_logits_k)."""
     num_replicas: int = Field(1, gt=0)
     """Teacher servers a launcher starts when `addresses` is empty (each on its own port and device)."""
     addresses: list[str] = []

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
+from services.common.config_distillation import DISTILLATION_RULES
 from services.common.config_offline import OFFLINE_RULES
 from services.common.nemo_rl_optim import fused_adam
 from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
@@ -122,6 +123,8 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.max_model_len", same_as("policy.max_total_sequence_length"),
          "vLLM's context is policy.max_total_sequence_length"),
     Rule("policy.generation.vllm_cfg.use_tqdm", any_, "progress bars only"),
+    Rule("policy.generation.vllm_cfg.distributed_executor_backend", is_(None), "vLLM picks its executor (NeMo RL's "
+         "null); to choose one, set policy.generation.vllm_kwargs.distributed_executor_backend"),
     Rule("policy.generation.vllm_cfg.enable_prefix_caching", any_,
          f"{VLLM_ONLY} caches prefixes always; a cache changes speed, not the samples"),
     Rule("policy.generation.vllm_cfg.env_vars", lambda v, _: not v,
@@ -178,7 +181,9 @@ RULES: tuple[Rule, ...] = (
     Rule("cluster", any_, PLACEMENT),
     Rule("data_plane", any_, "NeMo RL's TransferQueue data plane moves batches between its driver and workers; "
          "Flywheel's replay (Redis) and gRPC do that job whatever it says"),
-    Rule("on_policy_distillation", is_(None), "on-policy distillation is not built"),
+    Rule("on_policy_distillation", is_(None), "GRPO with a teacher's logprob gap as the advantage (NeMo RL's MOPD, "
+         "adv_estimator opd) is not built; distillation by the KL to a teacher's top-k is a run with a distillation: "
+         "section (distillation_math.yaml)"),
     Rule("async_rl", is_(None), "NeMo RL's single-controller streaming mode (samplers, rollout-failure budgets) is "
          "not mapped; Flywheel's async GRPO is grpo.async_grpo (enabled, max_trajectory_age_steps)"),
 )
@@ -212,7 +217,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
         _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
-    rules = RULES + OFFLINE_RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
+    rules = RULES + OFFLINE_RULES + DISTILLATION_RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
     _walk(out, copy.deepcopy(out), "", schema, rules, problems, notes)  # rules read the tree as written
     return out, problems, notes
 

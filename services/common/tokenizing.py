@@ -1,4 +1,5 @@
-"""The policy's tokenizer without torch: the controller tokenizes offline data with it (SFT, DPO, RM).
+"""The policy's tokenizer without torch: the controller tokenizes offline data with it (SFT, DPO, RM), and a
+distillation run checks with it that the teacher shares the student's vocabulary before anything starts.
 
 `transformers.AutoTokenizer` imports torch (its auto module does), the fast tokenizer class does
 not, so a checkpoint's tokenizer is loaded as PreTrainedTokenizerFast from its tokenizer.json (every
@@ -9,6 +10,7 @@ character-level tokenizer is built here too; services/common/modeling.py re-expo
 from __future__ import annotations
 
 import functools
+import json
 import string
 from pathlib import Path
 
@@ -88,3 +90,41 @@ def with_chat_template(tok, t, name: str, key: str = "policy.tokenizer"):
     if t.chat_template_kwargs:
         tok.apply_chat_template = functools.partial(tok.apply_chat_template, **t.chat_template_kwargs)
     return tok
+
+
+def check_same_vocabulary(student: PolicyConfig, teacher_model: str) -> None:
+    """NeMo RL's check_vocab_equality, torch-free: the teacher's token -> id map, its length and its model's
+    vocab_size (the logits' last dimension) must be the student's, since the KL compares the two models' logits
+    token id by token id. Raises ValueError naming what differs."""
+    mine = load_tokenizer_without_torch(student)
+    theirs = build_tiny_tokenizer() if teacher_model == "tiny" else PreTrainedTokenizerFast.from_pretrained(teacher_model)
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    where = f"teacher.model_name {teacher_model!r} and the student's tokenizer {student.tokenizer_name!r}"
+    if a != b:
+        differ = sorted(t for t in a.keys() | b.keys() if a.get(t) != b.get(t))
+        shown = ", ".join(f"{t!r}: {a.get(t)} vs {b.get(t)}" for t in differ[:3])
+        raise ValueError(f"{where} map tokens to ids differently ({len(differ)} tokens, e.g. {shown}): a distillation "
+                         f"teacher must share the student's tokenizer and vocabulary")
+    if len(mine) != len(theirs):
+        raise ValueError(f"{where} have {len(theirs)} and {len(mine)} tokens: a distillation teacher must share the "
+                         f"student's vocabulary")
+    sizes = _vocab_size(teacher_model, len(theirs)), _vocab_size(student.model_name, len(mine), student)
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"{where}: the models' vocab_size (their logits' last dimension) is {sizes[0]} for the "
+                         f"teacher and {sizes[1]} for the student: a distillation teacher must share it")
+
+
+def _vocab_size(model: str, tokens: int, policy: PolicyConfig | None = None) -> int:
+    """The model's vocab_size from its config.json (the tiny model's: its tokenizer's length), with
+    policy.hf_config_overrides applied for the student, read without transformers' AutoConfig (which imports torch)."""
+    if policy is not None and "vocab_size" in policy.hf_config_overrides:
+        return policy.hf_config_overrides["vocab_size"]
+    if model == "tiny":
+        return tokens
+    path = Path(model) / "config.json"
+    if not path.exists():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    config = json.loads(path.read_text())
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")

@@ -401,7 +401,7 @@ async def _validation(cfg: FlywheelConfig, data: LoadedData, registry: Registry,
 async def serve(cfg: FlywheelConfig) -> None:
     setup_telemetry("controller", cfg.run.name, cfg.telemetry)
     bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="controller")
-    if cfg.algorithm != "grpo":  # SFT, DPO, RM: dataset rows to the trajectory stream, no environments
+    if cfg.offline is not None:  # SFT, DPO, RM: dataset rows to the trajectory stream, no environments
         try:
             return await serve_offline(cfg, bus)
         finally:

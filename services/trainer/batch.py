@@ -44,6 +44,11 @@ class TrainBatch:
     """[B] bool."""
     named_rewards: dict[str, Tensor]
     """Reward component name -> [B] float, for the names every sample has (GDPO's inputs)."""
+    teacher_topk_logits: Tensor | None = None
+    """Distillation: [B, L-1, k] float, the teacher's top-k logits (unscaled) at the position predicting each target;
+    0 where the completion has none (prompt, padding). None outside distillation."""
+    teacher_topk_indices: Tensor | None = None
+    """Distillation: [B, L-1, k] long, their token ids (0 where there are none)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,14 +58,22 @@ class TrainBatch:
         pick = (lambda xs: [xs[i] for i in index.tolist()]) if isinstance(index, Tensor) else (lambda xs: xs[index])
 
         def take(x):
+            if x is None:
+                return None
             if isinstance(x, Tensor):
                 return x[index]
             return {k: v[index] for k, v in x.items()} if isinstance(x, dict) else pick(x)
         return TrainBatch(**{f: take(getattr(self, f)) for f in self.__slots__})
 
 
-def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> TrainBatch:
-    """groups: TrajectoryGroup messages (any object with the same fields)."""
+class MissingTeacherScores(ValueError):
+    """A distillation batch has a completion without the teacher's top-k (or with a malformed one): the step is
+    refused rather than trained without its target."""
+
+
+def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False, teacher_k: int | None = None) -> TrainBatch:
+    """groups: TrajectoryGroup messages (any object with the same fields). teacher_k: a distillation run's
+    topk_logits_k; every completion must then carry Completion.teacher with that k (else MissingTeacherScores)."""
     rows, gen_mask, gen_lp, rewards, prompt_ids, versions, envs, truncated = [], [], [], [], [], [], [], []
     named: list[dict[str, float]] = []
     for g in groups:
@@ -91,11 +104,38 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False) -> Tra
     # as NeMo RL's loss_multiplier 0.
     sample_mask = sample_mask * (mask[:, 1:].sum(dim=1) > 0)
     shared = sorted(set.intersection(*(set(n) for n in named))) if named else []
+    topk = teacher_topk(groups, width, teacher_k) if teacher_k is not None else (None, None)
     return TrainBatch(input_ids=ids, attention_mask=attn, targets=ids[:, 1:], token_mask=mask[:, 1:],
                       generation_logprobs=lp[:, 1:], rewards=torch.tensor(rewards, dtype=torch.float32),
                       sample_mask=sample_mask, prompt_ids=prompt_ids, version_start=torch.tensor(versions),
                       env_names=envs, truncated=trunc,
-                      named_rewards={k: torch.tensor([n[k] for n in named], dtype=torch.float32) for k in shared})
+                      named_rewards={k: torch.tensor([n[k] for n in named], dtype=torch.float32) for k in shared},
+                      teacher_topk_logits=topk[0], teacher_topk_indices=topk[1])
+
+
+def teacher_topk(groups, width: int, k: int) -> tuple[Tensor, Tensor]:
+    """[B, width-1, k] logits and ids, aligned with TrainBatch.targets: the teacher's row t (the position that
+    predicts completion token t, types.proto) is target len(prompt) + t - 1, since target j is token j + 1."""
+    rows = [(g, c) for g in groups for c in g.completions]
+    logits = torch.zeros(len(rows), width - 1, k, dtype=torch.float32)
+    ids = torch.zeros(len(rows), width - 1, k, dtype=torch.long)
+    for i, (g, c) in enumerate(rows):
+        n, start = len(c.token_ids), len(g.prompt_token_ids) - 1
+        _check_teacher(g, c, n, k)
+        skip = max(-start, 0)  # an empty prompt: nothing predicts the first token, which is no target either
+        logits[i, start + skip:start + n] = torch.tensor(list(c.teacher.logits), dtype=torch.float32).view(n, k)[skip:]
+        ids[i, start + skip:start + n] = torch.tensor(list(c.teacher.token_ids), dtype=torch.long).view(n, k)[skip:]
+    return logits, ids
+
+
+def _check_teacher(g, c, n: int, k: int) -> None:
+    t = c.teacher
+    got = (t.k, len(t.logits), len(t.token_ids))
+    if got != (k, n * k, n * k):
+        raise MissingTeacherScores(
+            f"group {g.group_id!r}: a completion of {n} tokens carries teacher top-k (k, logits, token_ids) = {got}, "
+            f"expected ({k}, {n * k}, {n * k}): every group of a distillation run must be scored by the teacher "
+            f"(distillation.topk_logits_k = {k}) before it reaches replay")
 
 
 def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:

@@ -1,4 +1,4 @@
-"""The trainer loop: for each step s, Sample(s) from replay, one GRPO step, publish weights s + 1.
+"""The trainer loop: for each step s, Sample(s) from replay, one GRPO (or distillation) step, publish weights s + 1.
 
     replay ──Sample(s)──▶ advantages ─▶ all ranks: clipped PG loss, optimizer step(s) ─▶ WeightSender.sync(s + 1)
                                                                                          ├▶ checkpoint (every save_period)
@@ -43,6 +43,7 @@ from services.common.pb.flywheel.v1 import replay_pb2, replay_pb2_grpc, trainer_
 from services.common.server import (RETRIED, RPC_ERRORS, channel, freeze_startup_heap, in_daemon_thread, retrying,
                                    run_service)
 from services.common.telemetry import setup_telemetry, start_step_span
+from services.common.tokenizing import check_same_vocabulary
 from services.common.weights import WeightSender
 from services.trainer.backends import make_backend
 from services.trainer.batch import TrainBatch, batch_advantages, build_batch
@@ -72,6 +73,9 @@ class RankWork:
 
     def train_offline(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.offline_step(batch)
+
+    def train_distill(self, batch: TrainBatch, advantages: torch.Tensor | None) -> dict[str, float]:
+        return self.backend.distill_step(batch, advantages)
 
     def validate(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.validate(batch)
@@ -136,7 +140,7 @@ class Trainer:
         self.metrics_path = Path(cfg.run.run_dir or ".") / "metrics.jsonl"
         self.batches_path = Path(cfg.run.run_dir or ".") / "batches.jsonl"
         """One row per step: the groups it trained on (id, target step, version_start); the run's audit trail."""
-        self.offline = OfflineRun(cfg, self.work.backend.tokenizer) if cfg.algorithm != "grpo" else None
+        self.offline = OfflineRun(cfg, self.work.backend.tokenizer) if cfg.offline is not None else None
         """SFT or DPO: no rollout to sync weights to, the offline step, validation by the loss (offline.py)."""
 
     def members(self) -> list[str]:
@@ -268,9 +272,16 @@ class Trainer:
         timeline = group_timeline(response.groups, self.synced_at_ns, self.sample_returned_ns)
         self._ask_early(step + 1)
         t0 = time.perf_counter()
+        distilling = self.cfg.algorithm == "distillation"
         batch = build_batch(response.groups, self.work.backend.tokenizer.pad_token_id,
-                            overlong_filtering=self.cfg.grpo.overlong_filtering)
-        if self.offline is None:
+                            overlong_filtering=self.cfg.grpo.overlong_filtering,
+                            teacher_k=self.cfg.teacher.topk_logits_k if distilling else None)
+        if distilling:  # the KL to the teacher's top-k; GRPO's advantages only with distillation.env_reward_weight
+            rewarded = self.cfg.distillation.env_reward_weight > 0
+            advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo) if rewarded else (None, {})
+            build_s = time.perf_counter() - t0
+            metrics = await self._call("train_distill", batch, advantages)
+        elif self.offline is None:
             advantages, adv_metrics = batch_advantages(batch, self.cfg.grpo)
             build_s = time.perf_counter() - t0
             metrics = await self._call("train", batch, advantages)
@@ -434,6 +445,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(cfg: FlywheelConfig) -> None:
+    if cfg.algorithm == "distillation":  # before any rank starts: a teacher of another vocabulary is refused
+        check_same_vocabulary(cfg.policy, cfg.teacher.model_name)
     if rank_from_env() is None and cfg.trainer.nproc_per_node > 1:
         code = launch_ranks(cfg, cfg.trainer.nproc_per_node)  # this process only watches the ranks
         if code:

@@ -1,6 +1,6 @@
 """`flywheel up`'s stack with a `teacher:` section: the launcher starts the teacher servers (two replicas here)
-before rollout, and every group that reaches replay carries its teacher's top-k. The trainer here is GRPO's (the
-distillation loss is another module's); what is checked is the data path, read back from replay."""
+before rollout, and every group that reaches replay carries its teacher's top-k (read back from replay), and the
+trainer takes its distillation steps on them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ K = 3
 
 
 def test_flywheel_up_starts_the_teacher_replicas_and_every_group_in_replay_has_its_scores(tmp_path):
-    cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "checkpointing.enabled=false", "teacher.model_name=tiny",
-                             f"teacher.topk_logits_k={K}", "teacher.num_replicas=2", "grpo.num_prompts_per_step=2",
-                             "grpo.num_generations_per_prompt=2"])
+    cfg = load_config(None, ["++distillation={}", f"distillation.max_num_steps={STEPS}", "checkpointing.enabled=false",
+                             "distillation.num_prompts_per_step=2", "distillation.num_generations_per_prompt=2",
+                             "teacher.model_name=tiny", f"distillation.topk_logits_k={K}", "teacher.num_replicas=2"])
     with LocalStack(cfg, tmp_path) as stack:
         stack.start_services()
         stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=300)

@@ -42,8 +42,9 @@ def pack_rows(ids: Tensor, lengths: Tensor) -> Packed:
 
 
 def unpack_values(values: Tensor, lengths: Tensor, width: int) -> Tensor:
-    """values [T-1] (prediction at packed position p of token p+1) -> [R, width], 0 past each row's targets."""
-    out = values.new_zeros(len(lengths), width)
+    """values [T-1, ...] (prediction at packed position p of token p+1: a logprob, or distillation's logits [T-1, V])
+    -> [R, width, ...], 0 past each row's targets."""
+    out = values.new_zeros(len(lengths), width, *values.shape[1:])
     offset = 0
     for i, n in enumerate(lengths.tolist()):
         out[i, : n - 1] = values[offset: offset + n - 1]

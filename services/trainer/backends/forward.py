@@ -47,6 +47,20 @@ class Forward:
         return token_logprobs(logits[:, :-1], ids[:, 1:].to(self.device), self.temperature,
                               self.cfg.logprob_chunk_size)
 
+    def logits(self, model: torch.nn.Module, b: TrainBatch, rows: list[int]) -> Tensor:
+        """[len(rows), width - 1, V] the model's raw logits at each target's position (distillation's loss takes the
+        whole vocabulary; temperature is the loss's to apply). Past a row's end: the padding's logits, or 0 packed."""
+        lengths = b.attention_mask[rows].sum(1)
+        width = padded_width(lengths.tolist())
+        ids, d = b.input_ids[rows, :width], self.device
+        if not self.packing:
+            mask = b.attention_mask[rows, :width]
+            return model(input_ids=ids.to(d), attention_mask=mask.to(d)).logits[:, :-1]
+        packed = pack_rows(ids, lengths)
+        logits = model(input_ids=packed.input_ids.to(d), position_ids=packed.position_ids.to(d),
+                       attention_mask=packed.attention_mask.to(d)).logits
+        return unpack_values(logits[0, :-1], lengths, width - 1)
+
     def _packed(self, model: torch.nn.Module, ids: Tensor, lengths: Tensor) -> Tensor:
         packed = pack_rows(ids, lengths)
         d = self.device

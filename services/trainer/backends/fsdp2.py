@@ -32,6 +32,7 @@ from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
+from services.trainer.backends.distill_step import distill_step
 from services.trainer.backends.forward import Forward
 from services.trainer.backends.full_weights import full_weights
 from services.trainer.backends.offline_step import offline_step, offline_validate
@@ -79,7 +80,7 @@ class FSDP2Backend(TrainingBackend):
         self.optimizer = build_optimizer(trainable, cfg.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
         # Offline algorithms score data, not samples: NeMo RL's SFT and DPO take logprobs at temperature 1.
-        temperature = cfg.policy.generation.temperature if cfg.algorithm == "grpo" else 1.0
+        temperature = cfg.policy.generation.temperature if cfg.offline is None else 1.0
         self.forward = Forward(cfg.policy, temperature, self.device)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
@@ -187,6 +188,10 @@ class FSDP2Backend(TrainingBackend):
 
     def validate(self, b: TrainBatch) -> dict[str, float]:
         return offline_validate(self, b)
+
+    def distill_step(self, b: TrainBatch, advantages: Tensor | None = None) -> dict[str, float]:
+        """On-policy distillation: the KL to the teacher's top-k instead of GRPO's loss (distill_step.py)."""
+        return distill_step(self, b, advantages)
 
     def _optimizer_step(self, b: TrainBatch, data: LossInputs, chunk: list[int],
                         micro_batches: list[list[int]]) -> dict[str, float]:

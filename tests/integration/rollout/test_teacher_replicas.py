@@ -33,7 +33,7 @@ class CountingServicer(TeacherServicer):
 
 @pytest.fixture
 async def teachers():
-    cfg = load_config(None, ["teacher.model_name=tiny", f"teacher.topk_logits_k={K}"])
+    cfg = load_config(None, ["++distillation={}", "teacher.model_name=tiny", f"distillation.topk_logits_k={K}"])
     teacher = Teacher(load_teacher(cfg), k=K, max_len=64, max_batch_tokens=4096)
     servers, servicers, addresses = [], [], []
     for _ in range(2):

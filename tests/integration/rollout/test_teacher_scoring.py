@@ -59,8 +59,9 @@ def assert_scored_by(model, traj: types_pb2.TrajectoryGroup) -> None:
 def setup(tmp_path, nats_server):
     cfg = load_config(None, [
         f"addresses.nats_url={nats_server.url}", f"addresses.teacher=127.0.0.1:{free_port()}",
-        "teacher.model_name=tiny", f"teacher.topk_logits_k={K}", "teacher.tiny={hidden_size: 96, num_hidden_layers: 3}",
-        "teacher.timeout_s=5", f"grpo.num_generations_per_prompt={G}", "policy.generation.max_new_tokens=5",
+        "++distillation={}", "teacher.model_name=tiny", f"distillation.topk_logits_k={K}",
+        "teacher.tiny={hidden_size: 96, num_hidden_layers: 3}",
+        "teacher.timeout_s=5", f"distillation.num_generations_per_prompt={G}", "policy.generation.max_new_tokens=5",
         "rollout.max_groups_in_flight=1"])
     path = write_resolved(cfg, tmp_path)
     procs: list[subprocess.Popen] = []

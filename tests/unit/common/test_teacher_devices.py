@@ -7,7 +7,8 @@ from __future__ import annotations
 from services.common.config import load_config
 from services.common.devices import checked_plan
 
-RUN = ["policy.generation.backend=vllm", "trainer.device=cuda", "weight_sync.backend=nccl", "teacher.model_name=tiny"]
+RUN = ["policy.generation.backend=vllm", "trainer.device=cuda", "weight_sync.backend=nccl", "++distillation={}",
+       "teacher.model_name=tiny"]
 
 
 def placed(*overrides: str, gpus: int) -> dict[str, str]:

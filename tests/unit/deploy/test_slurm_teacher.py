@@ -15,11 +15,12 @@ def _make_sbatch(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
-TEACHER = ["teacher.model_name=Qwen/Qwen3-4B", "teacher.topk_logits_k=16"]
+CONFIG = "tests/fixtures/nemo_rl/examples/configs/distillation_math.yaml"
+EDITS = ["policy.generation.colocated.enabled=false", "policy.dtensor_cfg.context_parallel_size=1"]  # docs/nemo_rl_mapping.md
 
 
 def test_a_teacher_the_job_would_have_to_start_is_refused_and_one_named_by_address_is_not():
-    run = _make_sbatch("deploy/compose/config.yaml", *TEACHER, "-o", "-")
+    run = _make_sbatch(CONFIG, *EDITS, "-o", "-")
     assert run.returncode == 2 and "teacher: this job starts no teacher server" in run.stderr
-    run = _make_sbatch("deploy/compose/config.yaml", *TEACHER, "teacher.addresses=[node9:50057]", "-o", "-")
+    run = _make_sbatch(CONFIG, *EDITS, "teacher.addresses=[node9:50057]", "-o", "-")
     assert run.returncode == 0, run.stderr

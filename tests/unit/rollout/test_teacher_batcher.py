@@ -30,7 +30,8 @@ class RecordingTeacher(Teacher):
 
 @pytest.fixture(scope="module")
 def model():
-    return load_teacher(load_config(None, ["teacher.model_name=tiny", f"teacher.topk_logits_k={K}"]))
+    return load_teacher(load_config(None, ["++distillation={}", "teacher.model_name=tiny",
+                                           f"distillation.topk_logits_k={K}"]))
 
 
 def _requests(vocab: int) -> list[list[Row]]:

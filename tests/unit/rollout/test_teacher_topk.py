@@ -69,7 +69,7 @@ def test_chunks_keep_each_forward_within_the_token_budget_and_the_row_order():
 
 @pytest.fixture(scope="module")
 def teacher():
-    cfg = load_config(None, ["teacher.model_name=tiny", f"teacher.topk_logits_k={K}",
+    cfg = load_config(None, ["++distillation={}", "teacher.model_name=tiny", f"distillation.topk_logits_k={K}",
                              "teacher.tiny={hidden_size: 96, num_hidden_layers: 3}"])
     model = load_teacher(cfg)
     return Teacher(model, k=K, max_len=cfg.policy.max_total_sequence_length, max_batch_tokens=40)
@@ -90,9 +90,10 @@ def test_the_teachers_padded_batches_give_each_sequence_its_own_unpadded_topk(te
 
 
 def test_the_tiny_teacher_has_its_own_shape_and_seed():
-    small = load_teacher(load_config(None, ["teacher.model_name=tiny"]))
-    big = load_teacher(load_config(None, ["teacher.model_name=tiny", "teacher.tiny={hidden_size: 96}"]))
-    other = load_teacher(load_config(None, ["teacher.model_name=tiny", "teacher.seed=5"]))
+    small = load_teacher(load_config(None, ["++distillation={}", "teacher.model_name=tiny"]))
+    big = load_teacher(load_config(None, ["++distillation={}", "teacher.model_name=tiny",
+                                          "teacher.tiny={hidden_size: 96}"]))
+    other = load_teacher(load_config(None, ["++distillation={}", "teacher.model_name=tiny", "teacher.seed=5"]))
     assert big.config.hidden_size == 96 and small.config.hidden_size == 64
     assert not torch.equal(small.lm_head.weight, other.lm_head.weight)
 
@@ -116,13 +117,14 @@ def test_a_request_within_every_bound_passes():
 
 
 def test_a_teacher_that_cannot_take_the_students_sequences_or_k_is_refused_at_load(tmp_path):
-    cfg = load_config(None, ["teacher.model_name=tiny", "policy.max_total_sequence_length=300"])
+    cfg = load_config(None, ["++distillation={}", "teacher.model_name=tiny", "policy.max_total_sequence_length=300"])
     short = load_teacher(cfg)
     short.config.max_position_embeddings = 299
     short.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="takes 299 positions, fewer than the 300"):
-        load_teacher(load_config(None, ["policy.model_name=tiny", f"teacher.model_name={tmp_path}",
+        load_teacher(load_config(None, ["policy.model_name=tiny", "++distillation={}", f"teacher.model_name={tmp_path}",
                                         "policy.max_total_sequence_length=300"]))
     with pytest.raises(ValueError, match="topk_logits_k 4096 is more than the teacher's"):
-        load_teacher(load_config(None, ["teacher.model_name=tiny", "teacher.topk_logits_k=4096",
-                                        "grpo.num_generations_per_prompt=1"]))
+        load_teacher(load_config(None, ["++distillation={}", "teacher.model_name=tiny",
+                                        "distillation.topk_logits_k=4096",
+                                        "distillation.num_generations_per_prompt=1"]))
