@@ -1,11 +1,14 @@
 """The trainer's tokens/s beside a bare torch loop of the same model and batch, in one process.
 
-    python benchmarks/trainer.py [--steps 12] [--samples 64] [key=value ...]
+    python benchmarks/trainer.py [--algorithm grpo|sft|dpo] [--steps 12] [--samples 64] [key=value ...]
 
-Both sides do a GRPO step's work on the same padded batch: a no-grad forward for the prev
-logprobs, then forward and backward per micro-batch, clip, AdamW step. The trainer side is
-FSDP2Backend.train_step (plan, micro-batch cutting, the clipped PG loss with its metrics,
-metric combination); the bare side is the shortest loop that does the same arithmetic, on a model wrapped as the
+Both sides do one step's work on the same padded batch, forward and backward per micro-batch, clip, AdamW step:
+- grpo: a no-grad forward for the prev logprobs first, then the clipped PG loss. Trainer side
+  FSDP2Backend.train_step (plan, micro-batch cutting, the loss with its metrics, metric combination).
+- sft: the token-level NLL over the step's valid tokens. Trainer side FSDP2Backend.offline_step.
+- dpo: rows 2k and 2k+1 a pair; the frozen reference's logprobs first (no grad), then NeMo RL's preference loss
+  -log σ(β((π_c - ref_c) - (π_r - ref_r))) over the pairs. Trainer side FSDP2Backend.offline_step.
+The bare side is the shortest loop that does the same arithmetic, on a model wrapped as the
 backend wraps it (fully_shard on GPU or with more than one rank; in one CPU process, a plain module).
 Steps alternate between the two sides and the median step
 time counts. Tokens are real (non-padding) tokens. The ratio trainer/bare is what the trainer's
@@ -15,11 +18,13 @@ machinery costs; docs/trainer.md keeps the figures.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from services.common.config import load_config
@@ -60,31 +65,53 @@ def timed(steps: int, *fns) -> list[float]:
     return [statistics.median(t[WARMUP:]) for t in times]
 
 
-def bare_loop(cfg, batch, advantages):
+def bare_model(cfg):
     model, _ = load_policy(cfg.policy, cfg.run.seed)
     if torch.cuda.is_available() or dist.get_world_size() > 1:  # the backend's rule (FSDP2Backend._shard)
         for layer in model.model.layers:
             fully_shard(layer)
         model = fully_shard(model)
+    return model
+
+
+def bare_loop(cfg, batch, advantages):
+    """The step for cfg.algorithm, as the shortest torch loop; returns step()."""
+    model = bare_model(cfg)
+    reference = copy.deepcopy(model).eval() if cfg.algorithm == "dpo" else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     mask = batch.token_mask
     size = cfg.policy.train_micro_batch_size
+    parts = [slice(i, i + size) for i in range(0, len(batch), size)]  # size is even: pairs stay together
 
-    def logprobs(rows):
-        logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
+    def logprobs(net, rows):
+        logits = net(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
         return token_logprobs(logits[:, :-1], batch.targets[rows])
 
+    def grpo_loss(p, prev):
+        ratio = torch.exp(logprobs(model, p) - prev[p])
+        a = advantages[p, None]
+        return (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * mask[p]).sum() / mask.sum()
+
+    def sft_loss(p, _):
+        return -(logprobs(model, p) * mask[p]).sum() / mask.sum()
+
+    def dpo_loss(p, ref):
+        beta = cfg.dpo.reference_policy_kl_penalty
+        margin = ((logprobs(model, p) - ref[p]) * mask[p]).sum(-1)
+        return -F.logsigmoid(beta * (margin[0::2] - margin[1::2])).sum() / (len(batch) // 2)
+
+    loss_of = {"grpo": grpo_loss, "sft": sft_loss, "dpo": dpo_loss}[cfg.algorithm]
+    first_pass = {"grpo": model, "sft": None, "dpo": reference}[cfg.algorithm]
+
     def step():
-        parts = [slice(i, i + size) for i in range(0, len(batch), size)]
-        with torch.no_grad():
-            prev = torch.cat([logprobs(p) for p in parts])
+        fixed = None
+        if first_pass is not None:  # grpo's prev logprobs, dpo's reference logprobs
+            with torch.no_grad():
+                fixed = torch.cat([logprobs(first_pass, p) for p in parts])
         model.train()
         optimizer.zero_grad()
         for p in parts:
-            ratio = torch.exp(logprobs(p) - prev[p])
-            a = advantages[p, None]
-            loss = (torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * mask[p]).sum() / mask.sum()
-            loss.backward()
+            loss_of(p, fixed).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         model.eval()
@@ -93,21 +120,26 @@ def bare_loop(cfg, batch, advantages):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--algorithm", choices=("grpo", "sft", "dpo"), default="grpo")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = load_config(None, [*MODEL, "policy.optimizer.kwargs.lr=1e-4", *args.overrides])
+    # An offline run's config needs a dataset; this one is never read (the batch is made here).
+    section = [] if args.algorithm == "grpo" else [f"++{args.algorithm}={{}}", "environments=[]",
+                                                   "++data.train={data_path: unread.jsonl}"]
+    cfg = load_config(None, [*MODEL, *section, "policy.optimizer.kwargs.lr=1e-4", *args.overrides])
     init_distributed(600)
     batch = batch_of(args.samples)
     advantages, _ = batch_advantages(batch, cfg.grpo)
     tokens = int(batch.attention_mask.sum())
     backend = FSDP2Backend(cfg, init_distributed(600))
-    trainer_s, bare_s = timed(args.steps, lambda: backend.train_step(batch, advantages),
-                              bare_loop(cfg, batch, advantages))
-    print(f"batch: {len(batch)} samples, {tokens} tokens; model {MODEL[:4]}")
-    print(f"trainer (FSDP2Backend.train_step): {tokens / trainer_s:8.0f} tokens/s  ({trainer_s:.3f} s/step)")
+    step = ((lambda: backend.train_step(batch, advantages)) if args.algorithm == "grpo"
+            else (lambda: backend.offline_step(batch)))
+    trainer_s, bare_s = timed(args.steps, step, bare_loop(cfg, batch, advantages))
+    print(f"{args.algorithm} batch: {len(batch)} samples, {tokens} tokens; model {MODEL[:4]}")
+    print(f"trainer (FSDP2Backend)           : {tokens / trainer_s:8.0f} tokens/s  ({trainer_s:.3f} s/step)")
     print(f"bare torch loop                  : {tokens / bare_s:8.0f} tokens/s  ({bare_s:.3f} s/step)")
     print(f"ratio trainer / bare             : {bare_s / trainer_s:.3f}")
 
