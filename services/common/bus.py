@@ -18,6 +18,7 @@ VALIDATED, each validated policy version's metrics, which the trainer ranks chec
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -40,6 +41,9 @@ from services.common.telemetry import inject_headers
 # loopback a second is ample to flush what is pending (unacked work is redelivered anyway).
 DRAIN_TIMEOUT_S = 1
 EVENT_ACK_WAIT_S = 10.0
+PUBLISH_ATTEMPTS = 5
+"""Sends of a deduplicated publish whose ack times out (JetStream's 5 s each), before the error is raised."""
+PUBLISH_BACKOFF_S = 0.5
 WORK_DEDUP_WINDOW_S = 3600.0
 """How long the work stream remembers a lease's message id. A restarted controller publishes again the leases
 it had not yet saved (controller/main.py), and JetStream drops them only within this window. NATS's default of
@@ -162,11 +166,24 @@ class Bus:
             await self.js.update_stream(config)
 
     async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None) -> None:
-        """JetStream publish; returns once the server has stored it. msg_id dedups retries."""
+        """JetStream publish; returns once the server has stored it. With a msg_id, a publish whose ack does not
+        come in time (a server too busy to answer: it may have stored the message or not) is sent again, up to
+        PUBLISH_ATTEMPTS times: the stream's duplicate window drops the copy if the first was stored. Without one
+        a retry could store it twice, so the timeout is the caller's."""
         headers = inject_headers()
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
-        await self.js.publish(subject, msg.SerializeToString(), headers=headers or None)
+        data = msg.SerializeToString()
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                await self.js.publish(subject, data, headers=headers or None)
+                return
+            except nats.errors.TimeoutError:
+                if not msg_id or attempt == PUBLISH_ATTEMPTS:
+                    raise
+                _warn.warning("publish_timeout", "no ack for %s on %s (attempt %d of %d): sending it again",
+                              msg_id, subject, attempt, PUBLISH_ATTEMPTS)
+                await asyncio.sleep(min(PUBLISH_BACKOFF_S * 2 ** (attempt - 1), 5.0))
 
     async def consume(self, subject: str, durable: str, handler: Callable[[Msg], Awaitable[None]]):
         """Durable consumer of an EVENTS subject: `handler(msg)`, then ack. A message whose handler raises, or
