@@ -25,7 +25,8 @@ STEPS = 60
 RISE = 0.05
 """Last 10 steps' mean reward over the first 10's, at least. Measured: 0.40 -> 0.56 and 0.42 -> 0.57, and once,
 with two test workers at a load of 9, 0.49 -> 0.56 (the first steps vary from run to run more than each step's
-standard error of about 0.06 over 64 episodes says). A run that does not learn stays within about 0.03."""
+standard error of about 0.06 over 64 episodes says); for a run that does not learn, the difference of two 10-step
+means has a standard error of about 0.03."""
 PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error
 
 
