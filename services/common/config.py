@@ -625,7 +625,8 @@ class EnvironmentSpec(Section):
     sampling: EnvironmentSampling = EnvironmentSampling()
     agent: dict[str, Any] = {}
     """For kind agent: the agent spec, {type: program, command: [argv...]} and the type's fields
-    (docs/agents.md). An agent environment needs a dataset, and turns on policy.generation.endpoint."""
+    (docs/agents.md). An agent environment needs a dataset unless its type lists its tasks (verifiers: its
+    taskset), and turns on policy.generation.endpoint."""
 
     @model_validator(mode="after")
     def _kind_xor_address(self) -> EnvironmentSpec:
@@ -633,13 +634,17 @@ class EnvironmentSpec(Section):
             raise ValueError("set exactly one of kind or address")
         if (self.kind == AGENT) != bool(self.agent):
             raise ValueError("kind agent needs `agent` ({type: program, command: [...]}), and only it takes one")
-        if self.kind == AGENT and not self.dataset:
-            raise ValueError("an agent environment generates no prompts: give it a dataset")
+        if self.kind == AGENT and not self.dataset and self.agent.get("type") not in AGENT_TASKSETS:
+            raise ValueError(f"an agent environment of type {self.agent.get('type')!r} generates no prompts: give "
+                             f"it a dataset (only {sorted(AGENT_TASKSETS)} list their own tasks)")
         return self
 
 
 AGENT = "agent"
 """The environment kind whose episodes an agent runs against the rollout endpoint (docs/agents.md)."""
+AGENT_TASKSETS = frozenset({"verifiers"})
+"""Agent types whose environment lists its own tasks (served by the environment service's Prompts), so their
+environments need no dataset."""
 
 
 class WeightSyncConfig(Section):

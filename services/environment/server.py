@@ -24,6 +24,7 @@ from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from services.common.messages import dataset_row, message_from_dict, message_to_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct, to_struct
+from services.environment.agents import AgentError
 from services.environment.agents.service import AgentEnvironment
 from services.environment.base import BUILTIN, Environment, StepResult, UnknownEnvironment, make_environment
 from services.environment.remote import DEFAULT_TIMEOUT_S, RemoteEnvironment
@@ -61,6 +62,17 @@ def encode_result(r: StepResult) -> environment_pb2.EpisodeResult:
 
 def _prompts(env: Environment, request: environment_pb2.PromptsRequest) -> environment_pb2.PromptsResponse:
     rows = env.prompts(request.count, request.seed, request.offset) or []
+    return environment_pb2.PromptsResponse(rows=[dataset_row(r) for r in rows])
+
+
+async def _agent_prompts(name: str, env: AgentEnvironment, request) -> environment_pb2.PromptsResponse:
+    """The tasks an agent's environment lists itself (a verifiers taskset); refused for one that lists none."""
+    try:
+        rows = await env.agent.prompts(request.count, request.seed, request.offset)
+    except AgentError as err:
+        raise InvalidArgument(f"agent environment {name!r} could not list its tasks: {err}") from None
+    if rows is None:
+        raise InvalidArgument(f"agent environment {name!r} generates no prompts: give it a dataset")
     return environment_pb2.PromptsResponse(rows=[dataset_row(r) for r in rows])
 
 
@@ -192,7 +204,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         require(request.offset >= 0, f"offset must be >= 0, got {request.offset}")
         env = self.resolve(request.env_name)
         if isinstance(env, AgentEnvironment):
-            raise InvalidArgument(f"agent environment {request.env_name!r} generates no prompts: give it a dataset")
+            return await _agent_prompts(request.env_name, env, request)
         if isinstance(env, RemoteEnvironment):
             return await env.prompts(request)
         # In a worker thread, as Step: 100,000 generated rows take seconds, and Step calls must not wait for them.

@@ -61,5 +61,11 @@ class Agent(abc.ABC):
     async def run(self, episode: AgentEpisode) -> AgentResult:
         """Run one episode to its end against `episode.base_url`; raise AgentError when it fails."""
 
+    async def prompts(self, count: int, seed: int, offset: int) -> list[dict] | None:
+        """Rows `offset`..`offset + count` of the tasks the agent's environment lists itself (a verifiers
+        taskset), as dataset rows ({"messages", "metadata", "tools"}); None when it lists none, so the
+        environment needs a dataset. The controller leases them as it leases an environment's generated prompts."""
+        return None
+
     async def close(self) -> None:
         """Stop what the agent started (servers, venv processes)."""

@@ -89,8 +89,30 @@ def verifiers_rows(spec: dict, limit: int | None = None) -> list[dict]:
     for logs) and the verifiers TaskData under `verifiers_task` (what an episode rebuilds the task from)."""
     argv, env = runner_command(spec)
     request = json.dumps({"op": "rows", "env": env_config(spec), "limit": limit}).encode()
-    done = subprocess.run(argv, input=request, capture_output=True, env=env, timeout=ROWS_TIMEOUT_S, check=False)
+    try:
+        done = subprocess.run(argv, input=request, capture_output=True, env=env, timeout=ROWS_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise AgentError(f"verifiers runner listed no tasks within {ROWS_TIMEOUT_S:g} s") from None
     return [{"messages": prompt_messages(data), TASK_KEY: data} for data in parse_answer(done.stdout, done.stderr)["rows"]]
+
+
+def prompt_row(row: dict) -> dict:
+    """A verifiers_rows row as the controller leases it: the TaskData rides in the row's metadata as JSON text, so
+    it reaches the episode exactly (a Struct would turn its ints into floats)."""
+    return {"messages": row["messages"], "metadata": {TASK_KEY: json.dumps(row[TASK_KEY])}}
+
+
+def task_data(task: dict) -> dict:
+    """The TaskData of an episode's task row: a dict (verifiers_rows) or its JSON text (prompt_row)."""
+    data = task.get(TASK_KEY)
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as err:
+            raise AgentError(f"the task row's {TASK_KEY} is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise AgentError(f"the task row has no {TASK_KEY} (rows come from verifiers_rows)")
+    return data
 
 
 def prompt_messages(data: dict) -> list[dict]:
@@ -116,15 +138,24 @@ class VerifiersAgent(Agent):
         spec = {"env": env, "python": python, "pythonpath": pythonpath or [], "sampling": sampling or {}}
         self.spec = spec
         self._env = env_config(spec)
+        self._rows: list[dict] | None = None
+        self._rows_lock = asyncio.Lock()
         try:
             runner_command(spec)  # a missing venv fails at submission, not at the first episode
         except AgentError as err:
             raise ValueError(str(err)) from None
 
+    async def prompts(self, count: int, seed: int, offset: int) -> list[dict]:
+        """The taskset's rows in its own order, cycling (the seed is the taskset's business: its config), read
+        once by a runner and kept; a taskset that cannot be read raises AgentError."""
+        async with self._rows_lock:  # concurrent first calls read the taskset once
+            if self._rows is None:
+                self._rows = [prompt_row(r) for r in await asyncio.to_thread(verifiers_rows, self.spec)]
+        rows = self._rows
+        return [rows[(offset + i) % len(rows)] for i in range(count)] if rows else []
+
     async def run(self, episode: AgentEpisode) -> AgentResult:
-        data = episode.task.get(TASK_KEY)
-        if not isinstance(data, dict):
-            raise AgentError(f"the task row has no {TASK_KEY} (rows come from verifiers_rows)")
+        data = task_data(episode.task)
         argv, env = runner_command(self.spec)
         env["FLYWHEEL_EPISODE_API_KEY"] = episode.api_key  # not in argv: a process list would show it
         request = {"op": "episode", "env": self._env, "task": data, "base_url": episode.base_url,

@@ -9,6 +9,8 @@ on the first episode (its packages are fetched once, then cached)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
 import time
@@ -18,6 +20,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from needs import require
 from services.common.config import load_config
 from services.environment.agents import AgentEpisode, AgentError
 from services.environment.agents.verifiers_agent import DEFAULT_PYTHON, TASK_KEY, VerifiersAgent, verifiers_rows
@@ -28,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from engine_harness import Trainer, policy  # noqa: E402
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DEFAULT_PYTHON.exists(), reason="no .venv-verifiers: run `make verifiers`")]
+pytestmark = pytest.mark.slow
+require(DEFAULT_PYTHON.exists(), "no .venv-verifiers: run `make verifiers`")
 HERE = Path(__file__).parent
 HANG_S = 601.25
 SPEC = {"env": {"taskset": {"id": "verifiers_add_env", "n": 2},
@@ -127,12 +131,15 @@ async def test_a_nan_reward_is_an_agent_error(endpoint, rows):
 
 def env_processes() -> list[psutil.Process]:
     """The runner, the env's tool server (`python -m verifiers_add_env`) and the program its hung rubric runs
-    (`sleep 601.25`, which does not die with its parent), by their command lines."""
+    (`sleep 601.25`, which does not die with its parent), by their command lines; only this test process's own
+    (below it, or orphaned, as the killed episode's are), not those of a run another test worker has going."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "ppid"]):
         line = " ".join(p.info["cmdline"] or [])
         if "verifiers_runner.py" in line or "-m verifiers_add_env" in line or line == f"sleep {HANG_S}":
-            found.append(p)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.info["ppid"] == 1 or os.getpid() in {a.pid for a in p.parents()}:
+                    found.append(p)
     return found
 
 

@@ -6,6 +6,7 @@ Importable as a verifiers taskset plugin by its module name (`__all__` exports t
 `python -m verifiers_add_env` it serves the tool (verifiers starts tool servers that way)."""
 
 import asyncio
+import json
 import re
 
 import verifiers.v1 as vf
@@ -34,6 +35,9 @@ class AddData(vf.TaskData):
 
 class AddTaskConfig(vf.TaskConfig):
     tools: AddToolsetConfig = AddToolsetConfig()
+    record: str = ""
+    """A file the rubric appends one JSON line to per scored episode (the task, the reply verifiers got back
+    from the model, the reward): a test's record of the episode from verifiers' side."""
 
 
 def last_number(text: str) -> int | None:
@@ -53,7 +57,12 @@ class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
         if task.hang_s:  # as a rubric that runs a program (a test suite, a checker) and it hangs
             proc = await asyncio.create_subprocess_exec("sleep", str(task.hang_s))
             await proc.wait()
-        return float("nan") if task.nan else float(last_number(last_reply(trace)) == task.a + task.b)
+        reward = float("nan") if task.nan else float(last_number(last_reply(trace)) == task.a + task.b)
+        if self.config.record:
+            line = json.dumps({"id": task.id, "a": task.a, "b": task.b, "reply": last_reply(trace), "reward": reward})
+            with open(self.config.record, "a") as f:  # one write of one short line: episodes do not interleave
+                f.write(line + "\n")
+        return reward
 
     @vf.metric
     async def reply_chars(self, trace: vf.Trace) -> float:

@@ -39,6 +39,12 @@ def test_a_config_agent_entry_is_refused_without_its_parts(entry, message):
         load_config(None, [f"environments=[{entry}]"])
 
 
+def test_a_verifiers_entry_needs_no_dataset_its_taskset_is_the_prompts():
+    entry = "{name: v, kind: agent, agent: {type: verifiers, env: {taskset: {id: t}}}}"
+    cfg = load_config(None, [f"environments=[{entry}]"])
+    assert cfg.environments[0].dataset == "" and cfg.policy.generation.endpoint.enabled
+
+
 def test_the_controller_refuses_an_agent_kind_without_a_spec_and_a_spec_without_the_kind():
     with pytest.raises(InvalidArgument, match="needs `agent`"):
         validate(controller_pb2.EnvironmentSpec(name="a", kind="agent", weight=1))

@@ -99,7 +99,9 @@ class EnvironmentServiceServicer:
 
     def Prompts(self, request, context):
         """Prompts for environments that generate their own (games, the toy task): a seeded,
-        reproducible stream. UNIMPLEMENTED or empty when the environment needs a dataset.
+        reproducible stream. An agent environment whose package lists its tasks (a verifiers
+        taskset) gives them in the taskset's order, cycling. UNIMPLEMENTED or empty, or
+        INVALID_ARGUMENT for an agent environment, when the environment needs a dataset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
