@@ -88,7 +88,9 @@ async def test_full_buffer_leaves_messages_in_jetstream_until_a_sample_frees_roo
                                         max_staleness=0)) as (replay, stub):
         await until(lambda: stats_are(replay, size=3), "a full buffer")
         info = await bus.js.consumer_info(bus.subjects.stream("traj"), CONSUMER)
-        assert (info.num_pending, info.num_ack_pending) == (2, 0)
+        # The surplus is in JetStream, undelivered or, once, delivered to a fetch whose client-side timeout fired
+        # first on a loaded machine (nats-py then drops them; the server redelivers after ack_wait): never stored.
+        assert info.num_pending + info.num_ack_pending == 2 and await stats_are(replay, size=3)
         batch = await stub.Sample(replay_pb2.SampleRequest(step=0, prompts_per_step=3, max_staleness=0))
         assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
         await until(lambda: stats_are(replay, size=2), "the rest after room was freed")
