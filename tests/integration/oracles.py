@@ -82,6 +82,13 @@ class RedisLedger:
         return self.unchosen | self.buried | {i for ids in self.choices.values() for i in ids}
 
 
+def consumed_groups(redis_url: str, cfg) -> list[types_pb2.TrajectoryGroup]:
+    """The groups of every step's batch of a run, as replay handed them to the trainer (its `c:` records)."""
+    client = redis.Redis.from_url(redis_url, password=cfg.security.redis_password.get_secret_value() or None)
+    keys = list(client.scan_iter(f"{key_prefix(cfg.run.name)}c:*"))
+    return [types_pb2.TrajectoryGroup.FromString(client.get(k)) for k in keys]
+
+
 def read_ledger(client: redis.Redis, run: str) -> RedisLedger:
     """`client` must not decode responses (payloads are bytes)."""
     p = key_prefix(run)

@@ -12,13 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import redis
 
+from oracles import consumed_groups
 from services.common.config import load_config
 from services.common.jsonl import read_rows
-from services.common.pb.flywheel.v1 import types_pb2
 from services.local import LocalStack
-from services.replay.store import key_prefix
 
 pytestmark = pytest.mark.slow
 AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "copy_agent.py"
@@ -45,21 +43,13 @@ def _write(tmp_path: Path) -> Path:
     return config
 
 
-def _consumed(stack: LocalStack) -> list[types_pb2.TrajectoryGroup]:
-    """The groups of every step's batch, as replay handed them to the trainer."""
-    client = redis.Redis.from_url(stack.redis.url, password=stack.cfg.security.redis_password.get_secret_value()
-                                  or None)
-    keys = list(client.scan_iter(f"{key_prefix(stack.cfg.run.name)}c:*"))
-    return [types_pb2.TrajectoryGroup.FromString(client.get(k)) for k in keys]
-
-
 def test_a_program_agent_trains_beside_a_built_in_environment(tmp_path):
     cfg = load_config(_write(tmp_path))
     assert cfg.policy.generation.endpoint.enabled  # turned on by the agent in the mix
     with LocalStack(cfg, tmp_path / "run") as stack:
         stack.start_services()
         rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=900)
-        groups = _consumed(stack)
+        groups = consumed_groups(stack.redis.url, stack.cfg)
         rollout_log = (Path(stack.cfg.run.run_dir) / "logs" / "rollout-0.log").read_text()
     agent_groups = [g for g in groups if g.env_name == "agent"]
     assert agent_groups and any(g.env_name == "toy" for g in groups)

@@ -18,16 +18,14 @@ import re
 from pathlib import Path
 
 import pytest
-import redis
 
 from needs import require
+from oracles import consumed_groups
 from services.common.config import load_config
 from services.common.jsonl import read_rows
-from services.common.pb.flywheel.v1 import types_pb2
 from services.common.tokenizing import load_tokenizer_without_torch
 from services.environment.agents.verifiers_agent import DEFAULT_PYTHON
 from services.local import LocalStack
-from services.replay.store import key_prefix
 
 pytestmark = pytest.mark.slow
 require(DEFAULT_PYTHON.exists(), "no .venv-verifiers: run `make verifiers`")
@@ -52,14 +50,6 @@ def _write(tmp_path: Path) -> Path:
     return config
 
 
-def _consumed(stack: LocalStack) -> list[types_pb2.TrajectoryGroup]:
-    """The groups of every step's batch, as replay handed them to the trainer."""
-    client = redis.Redis.from_url(stack.redis.url, password=stack.cfg.security.redis_password.get_secret_value()
-                                  or None)
-    keys = list(client.scan_iter(f"{key_prefix(stack.cfg.run.name)}c:*"))
-    return [types_pb2.TrajectoryGroup.FromString(client.get(k)) for k in keys]
-
-
 def _rule(reply: str, a: int, b: int) -> float:
     numbers = re.findall(r"-?\d+", reply)
     return float(bool(numbers) and int(numbers[-1]) == a + b)
@@ -71,7 +61,7 @@ def test_a_verifiers_environment_trains_through_flywheel_up(tmp_path):
     with LocalStack(cfg, tmp_path / "run") as stack:
         stack.start_services()
         rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=600)
-        groups = _consumed(stack)
+        groups = consumed_groups(stack.redis.url, stack.cfg)
     assert all("train/reward_mean/add" in r for r in rows)
     assert len(groups) >= STEPS * cfg.grpo.num_prompts_per_step and all(g.env_name == "add" for g in groups)
     tokenizer = load_tokenizer_without_torch(cfg.policy)
