@@ -33,10 +33,11 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from services.common.nemo_rl_gym import gym_venv
 from services.environment.agents import Agent, AgentEpisode, AgentError, AgentResult
+from services.environment.agents.nemo_gym_tasks import task_row
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[3]
 EPISODE_KEY = "flywheel_episode"
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
 
@@ -49,7 +50,7 @@ class NemoGymSpec:
     agent: str | None = None
     """The agent server's config name (NeMo Gym's `agent_ref.name`); default: the row's `agent_ref`, else the
     only agent."""
-    venv: Path = field(default_factory=lambda: Path(os.environ.get("FLYWHEEL_GYM_VENV", REPO / ".venv-gym")))
+    venv: Path = field(default_factory=gym_venv)
     overrides: dict[str, object] = field(default_factory=dict)
     """Extra NeMo Gym global config (`key=value` on ng_run's command line)."""
     startup_s: float = 300.0
@@ -61,13 +62,6 @@ class NemoGymSpec:
             raise ValueError(f"config_paths must be a non-empty list of NeMo Gym config paths, got {paths!r}")
         if not (self.venv / "bin" / "ng_run").exists():
             raise ValueError(f"no NeMo Gym in {self.venv} (make gym-venv)")
-
-
-def nemo_rl_agent_spec(nemo_gym: dict) -> dict:
-    """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config) as a `nemo_gym` agent spec:
-    `config_paths`, and the rest as NeMo Gym overrides, less the key only NeMo RL reads."""
-    overrides = {k: v for k, v in nemo_gym.items() if k not in ("config_paths", "is_trajectory_collection")}
-    return {"type": "nemo_gym", "config_paths": list(nemo_gym["config_paths"]), "overrides": overrides}
 
 
 class NemoGymAgent(Agent):
@@ -156,7 +150,7 @@ class NemoGymAgent(Agent):
             await self.start()
         except TimeoutError:
             raise AgentError(f"NeMo Gym servers not up within {self.spec.startup_s:g} s") from None
-        row = copy.deepcopy(episode.task.get("nemo_gym", episode.task))
+        row = copy.deepcopy(task_row(episode.task))
         url = f"{self.servers[self._agent_for(row)]}/run"
         episode_id = secrets.token_hex(16)
         params = row.setdefault("responses_create_params", {})
