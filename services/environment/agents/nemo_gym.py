@@ -247,14 +247,18 @@ class NemoGymAgent(Agent):
 
 
 def to_result(verified: dict, row: dict) -> AgentResult:
-    """/verify's answer: `reward`, and as metrics its other top-level numbers that the task row did not
-    bring."""
+    """/verify's answer: `reward`; its `reward_components` as the named rewards GDPO reads (NeMo RL's bridge
+    does the same); and as metrics its other top-level numbers that the task row did not bring."""
     reward = verified.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if not _is_number(reward):
         raise AgentError(f"NeMo Gym /verify gave a malformed reward: {reward!r}", "malformed_reward")
+    components = verified.get("reward_components") or {}
+    if not isinstance(components, dict) or not all(_is_number(v) for v in components.values()):
+        raise AgentError(f"NeMo Gym /verify gave malformed reward_components: {components!r}", "malformed_reward")
     metrics = {k: float(v) for k, v in verified.items()
                if k != "reward" and k not in row and _is_number(v)}
-    return AgentResult(reward=float(reward), metrics=metrics)
+    return AgentResult(reward=float(reward), metrics=metrics,
+                       named_rewards={k: float(v) for k, v in components.items()})
 
 
 def _is_number(v) -> bool:
