@@ -92,7 +92,7 @@ class NemoGymAgent(Agent):
     async def _start(self) -> None:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         proxy_url = await self._start_proxy()
-        head = _free_port()
+        head = int((self.spec.overrides.get("head_server") or {}).get("port") or _free_port())
         log = open(self.workdir / "ng_run.log", "wb")
         self.proc = await asyncio.create_subprocess_exec(
             str(self.spec.venv / "bin" / "ng_run"), *self._args(proxy_url, head), cwd=self.workdir,
@@ -294,6 +294,10 @@ def _hydra(value) -> str:
         return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ",".join(_hydra(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer():
+        # A spec that came over gRPC (a Struct) holds every number as a double; NeMo Gym's ports and counts
+        # must be integers, and a float field takes an integer as well.
+        return str(int(value))
     return json.dumps(value)
 
 
