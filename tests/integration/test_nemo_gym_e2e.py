@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from pathlib import Path
 
 import aiohttp
@@ -41,7 +42,7 @@ CPU = ["policy.model_name=tiny", "policy.precision=float32", "policy.megatron_cf
        "++policy.optimizer.name=torch.optim.AdamW", "++policy.optimizer.kwargs.lr=1.0e-4", "policy.max_total_sequence_length=512",
        "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser=null",
-       f"grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", f"grpo.max_num_steps={STEPS}",
+       "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", f"grpo.max_num_steps={STEPS}",
        "checkpointing.enabled=false", "logger.wandb_enabled=false"]
 RESOURCES = "example_tool_call_multireward"
 
@@ -50,6 +51,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _head_gone(port: int) -> bool:
+    for _ in range(50):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return True
+        time.sleep(0.2)
+    return False
 
 
 async def _verify(head: str, row: dict, text: str) -> dict:
@@ -69,7 +79,7 @@ async def _verify(head: str, row: dict, text: str) -> dict:
 
 def test_nemo_rls_gdpo_nemo_gym_config_trains_on_nemo_gym_episodes(tmp_path):
     head = _free_port()
-    cfg = load_config(NEMO_RL, EDITS + CPU + [f"++env.nemo_gym.head_server.host=127.0.0.1",
+    cfg = load_config(NEMO_RL, EDITS + CPU + ["++env.nemo_gym.head_server.host=127.0.0.1",
                                              f"++env.nemo_gym.head_server.port={head}"])
     [env] = cfg.environments
     assert env.kind == "agent" and env.agent["type"] == "nemo_gym" and cfg.policy.generation.endpoint.enabled
@@ -81,6 +91,7 @@ def test_nemo_rls_gdpo_nemo_gym_config_trains_on_nemo_gym_episodes(tmp_path):
         groups = consumed_groups(stack.redis.url, stack.cfg)
         checks = [(g, c, tasks[int(g.prompt_id.rsplit("/", 1)[1]) % len(tasks)]) for g in groups for c in g.completions]
         references = asyncio.run(_all(f"http://127.0.0.1:{head}", checks, tokenizer))
+    assert _head_gone(head)  # the environment service stopped ng_run (its own session) with itself
     assert all("train/reward_mean/nemo_gym" in r for r in rows)
     assert len(groups) >= STEPS * cfg.grpo.num_prompts_per_step and all(g.env_name == "nemo_gym" for g in groups)
     assert len({g.prompt_id for g in groups}) >= 2  # the controller walked the dataset

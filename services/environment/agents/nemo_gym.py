@@ -39,6 +39,8 @@ from services.environment.agents.nemo_gym_tasks import task_row
 
 log = logging.getLogger(__name__)
 EPISODE_KEY = "flywheel_episode"
+STOP_GRACE_S = 1.5
+"""Seconds ng_run gets to shut its servers and Ray down on SIGINT before its session is killed."""
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
 
 
@@ -224,26 +226,42 @@ class NemoGymAgent(Agent):
         return web.Response(status=r.status, body=answer, content_type=r.content_type)
 
     async def close(self) -> None:
-        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); then SIGKILL to its session's process
-        group: ng_run's shutdown signals each server's bash wrapper, and a server whose wrapper it kills after its
-        grace period would live on, orphaned."""
+        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); past STOP_GRACE_S every process of its
+        session is killed: ng_run's shutdown signals each server's bash wrapper, a server whose wrapper it kills
+        would live on orphaned, and Ray's workers lead process groups of their own. The grace is short because
+        the environment service closes its agents inside its own stop grace (services/local.py waits 5 s)."""
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             with contextlib.suppress(BaseException):
                 await self.starting
         if self.proc is not None:
-            if self.proc.returncode is None:
-                self.proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.proc.wait(), 60)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                if self.proc.returncode is None:
+                    self.proc.send_signal(signal.SIGINT)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
+            finally:
+                kill_session(self.proc.pid)
             await self.proc.wait()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.http is not None:
             await self.http.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (Linux: read from /proc), the session leader's group first."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state ppid pgrp session
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
 
 
 def to_result(verified: dict, row: dict) -> AgentResult:
