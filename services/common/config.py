@@ -377,9 +377,10 @@ class SchedulerStep(Section):
 
 
 class SchedulerMilestones(Section):
-    """The list entry that says at which optimizer steps one scheduler hands over to the next."""
+    """The list entry that says at which optimizer steps one scheduler hands over to the next (none after a single
+    scheduler, as NeMo RL's NeMo Gym examples write it: torch's SequentialLR of one)."""
 
-    milestones: list[int] = Field(min_length=1)
+    milestones: list[int]
 
 
 class TokenBudgetConfig(Section):

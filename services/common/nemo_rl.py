@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common import nemo_rl_gym as gym
 from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
 from services.common.config_distillation import DISTILLATION_RULES
@@ -40,8 +41,7 @@ def _sequence_parallel(v: Any, tree: dict) -> bool:
     return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
 
 
-NEMO_GYM = ("NeMo RL's in-process NeMo-Gym rollouts are not mapped; Flywheel runs agents as an environment over "
-            "its OpenAI-compatible API (DESIGN.md, Agents)")
+NEMO_GYM = "NeMo Gym is off; with it on, env.nemo_gym becomes a nemo_gym agent environment (nemo_rl_gym.py)"
 QUANT = "ModelOpt quantization (quantization-aware training, quantized rollouts) is not built"
 READ_WITH = "read only with {}, which is refused on its own"
 PLACEMENT = "process placement is the launcher's (rollout.num_workers, trainer.nproc_per_node, deploy/)"
@@ -129,8 +129,10 @@ RULES: tuple[Rule, ...] = (
          f"{VLLM_ONLY} caches prefixes always; a cache changes speed, not the samples"),
     Rule("policy.generation.vllm_cfg.env_vars", lambda v, _: not v,
          "environment variables for NeMo RL's vLLM workers: set them in rollout's own environment"),
-    Rule("policy.generation.vllm_cfg.expose_http_server", is_(False), "NeMo RL's vLLM HTTP server for NeMo-Gym; "
-         "Flywheel's rollout serves its own OpenAI-compatible API to agent environments (services/rollout/endpoint)"),
+    Rule("policy.generation.vllm_cfg.skip_tokenizer_init", is_(False), "rollout's engine keeps its tokenizer: the "
+         "endpoint renders chat templates and decodes with it"),
+    Rule("policy.generation.vllm_cfg.http_server_serving_chat_kwargs.enable_auto_tools", is_(True), "the endpoint "
+         "reads tool calls whenever a request offers tools and tool_choice is not none (vLLM's auto tool choice)"),
     Rule("policy.generation.vllm_cfg.use_deep_gemm", is_(False), "DeepGEMM is not wired"),
     Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
     Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
@@ -168,9 +170,11 @@ RULES: tuple[Rule, ...] = (
     Rule("logger.swanlab", when("logger.swanlab_enabled", False), "SwanLab is not wired"),
     Rule("logger.wandb.log_nemo_gym_full_result_tables", is_(False), "NeMo-Gym tables are not built"),
     Rule("env.should_use_nemo_gym", is_(False), NEMO_GYM),
-    Rule("env.nemo_gym", is_(None), NEMO_GYM),
-    Rule("env.should_mask_flagged_samples", any_, READ_WITH.format("NeMo-Gym rollouts")),
-    Rule("env.should_log_nemo_gym_responses", any_, READ_WITH.format("NeMo-Gym rollouts")),
+    Rule("env.nemo_gym", any_, "read only with env.should_use_nemo_gym true"),
+    Rule("env.should_mask_flagged_samples", any_, "NeMo Gym 0.4 (the version the NeMo Gym venv installs) flags no "
+         "sample (its responses carry no mask_sample), so there is nothing to mask"),
+    Rule("env.should_log_nemo_gym_responses", any_, "NeMo RL's per-step jsonl of NeMo Gym's responses: a log, not "
+         "the update"),
     Rule("policy.router_replay", off, "MoE router replay is not built"),
     Rule("policy.quant_cfg", is_(None), QUANT),
     Rule("policy.generation.quant_cfg", is_(None), QUANT),
@@ -192,6 +196,8 @@ MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing":
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
          "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
          "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg",
+         "policy.generation.vllm_cfg.expose_http_server": "policy.generation.endpoint.enabled",
+         "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser": "policy.generation.tool_parser",
          "env.sliding_puzzle_game.cfg.game_config.size": "env.sliding_puzzle.size",
          "env.sliding_puzzle_game.cfg.game_config.shuffle_moves": "env.sliding_puzzle.shuffle_moves",
          "env.sliding_puzzle_game.cfg.max_moves": "env.sliding_puzzle.max_moves"}
@@ -208,6 +214,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     notes: list[Problem] = []
     game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
     megatron.prepare(out, problems, notes)
+    gym.prepare(out, problems, notes)
     if get(out, "policy.generation.refit_transport") == "nixl":  # NeMo RL's NIXL refit is Flywheel's nixl channel
         _move(out, "policy.generation.refit_transport", "weight_sync.backend", problems)
     fused_adam(get(out, "policy.optimizer"), problems, notes)

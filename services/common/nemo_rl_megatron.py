@@ -107,6 +107,9 @@ RULES: tuple[Rule, ...] = (
          "a weight-decay schedule is not built: the decay stays optimizer.weight_decay"),
     Rule(f"{M}.scheduler.end_weight_decay", same_as("policy.optimizer.kwargs.weight_decay"),
          "a weight-decay schedule is not built: the decay stays optimizer.weight_decay"),
+    Rule(f"{M}.scheduler.override_opt_param_scheduler", any_, "which schedule wins when a resumed run's config "
+         "differs from its checkpoint's: a resume restores the checkpoint's schedule state, the same schedule when "
+         "the config is unchanged"),
     Rule(f"{M}.scheduler.weight_decay_incr_style", lambda v, t: v == "constant" or get(
         t, f"{M}.scheduler.start_weight_decay") == get(t, f"{M}.scheduler.end_weight_decay"),
          "inert while start and end weight decay are equal"),
@@ -126,6 +129,7 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
     if not enabled(tree):
         return
     policy, m = tree["policy"], tree["policy"]["megatron_cfg"]
+    _train_iters(m, problems, notes)
     for part in (m.get("optimizer"), m.get("scheduler")):
         if isinstance(part, dict):
             part.update({k: number(v) for k, v in part.items()})
@@ -142,6 +146,20 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
                        "megatron_cfg.scheduler")
     if "activation_checkpointing" in m:
         policy["activation_checkpointing"] = m.pop("activation_checkpointing")
+
+
+def _train_iters(m: dict, problems: list[Problem], notes: list[Problem]) -> None:
+    """Megatron decays the learning rate over train_iters when scheduler.lr_decay_iters is null; with it set,
+    train_iters is only Megatron's iteration budget, and NeMo RL's loop (grpo.max_num_steps) ends the run."""
+    if "train_iters" not in m:
+        return
+    m.pop("train_iters")
+    if (m.get("scheduler") or {}).get("lr_decay_iters") is None:
+        problems.append((f"{M}.train_iters", "Flywheel cannot honour it as the decay horizon: with "
+                         "scheduler.lr_decay_iters null the schedule decays over grpo.max_num_steps; set lr_decay_iters"))
+    else:
+        notes.append((f"{M}.train_iters", "accepted, no effect: Megatron's iteration budget; the schedule decays "
+                                          "over scheduler.lr_decay_iters and grpo.max_num_steps ends the run"))
 
 
 def _inert_dtensor(policy: dict, problems: list[Problem], notes: list[Problem]) -> None:

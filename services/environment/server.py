@@ -190,6 +190,11 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
             await self._forget_retired(name)
             self.retired[name] = (old, now)
 
+    async def close_agents(self) -> None:
+        """Close every agent environment, registered or retired, at once (the service is stopping)."""
+        envs = [*self.named.values(), *(env for env, _ in self.retired.values())]
+        await asyncio.gather(*(env.close() for env in envs if isinstance(env, AgentEnvironment)))
+
     async def _forget_retired(self, name: str) -> None:
         old, _ = self.retired.pop(name, (None, 0.0))
         if isinstance(old, (RemoteEnvironment, AgentEnvironment)) and old is not self.reward_model:

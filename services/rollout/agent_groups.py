@@ -117,18 +117,20 @@ def build_group(group: types_pb2.PromptGroup, trajectories: list[Trajectory],
     scale = group.reward_scale or 1.0
     samples: list[Sample] = []
     rewards: list[float] = []
+    named: list[dict[str, float]] = []
     for trajectory, result in zip(trajectories, results, strict=True):
         mine = trajectory.samples or [Sample()]  # no model call: an empty completion keeps the reward in the baseline
         samples += mine
         rewards += [result.reward * scale] * len(mine)
+        named += [{k: v * scale for k, v in result.named_rewards.items()}] * len(mine)  # as the Step loop scales
     if not any(t.samples for t in trajectories):
         raise AgentFailed("no_calls", f"no agent of group {group.group_id} called the model: nothing to train")
     prompt, rows = group_rows(samples)
     completions = []
-    for row, sample, reward in zip(rows, samples, rewards):
+    for row, sample, reward, components in zip(rows, samples, rewards, named):
         if row["version_start"] < 0:  # nothing generated: the version loaded now, as the built-in loop does
             row["version_start"] = row["version_end"] = version
-        completions.append(types_pb2.Completion(**row, reward=reward, turns=sample.calls))
+        completions.append(types_pb2.Completion(**row, reward=reward, named_rewards=components, turns=sample.calls))
     return types_pb2.TrajectoryGroup(
         group_id=group.group_id, prompt_id=group.prompt_id, env_name=group.env_name, target_step=group.target_step,
         prompt_token_ids=prompt, completions=completions, version_start=min(c.version_start for c in completions),

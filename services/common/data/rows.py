@@ -4,6 +4,8 @@ Formats (detected per record unless input_key is set):
     {"messages": [user..., assistant]}          the last assistant message is the ground truth
     {"problem": ..., "expected_answer": ...}    OpenMathInstruct-2
     {"input": ..., "output": ...}               NeMo RL's ResponseDataset defaults
+    {"responses_create_params": {...}, ...}     a NeMo Gym task row (NemoGymDataset): the prompt is its input
+                                                and tools in chat form; the whole row goes in metadata.nemo_gym
 A named dataset (config_data.NAMED_DATASETS) sets its own keys, dotted for nested fields.
 The prompt is [system (system_prompt_file)] + user (prompt_file.format(problem), or the problem),
 and metadata carries {"ground_truth": answer}, which the math environment verifies against. Rows in
@@ -14,6 +16,7 @@ OpenAI's tool columns: "tools" (the definitions offered), assistant "tool_calls"
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from services.common.messages import arguments_text
@@ -40,6 +43,8 @@ def to_row(record: object, input_key: str | None, output_key: str | None, templa
     if not isinstance(record, dict):
         raise RowError(f"a row must be a JSON object, got {type(record).__name__}")
     tools: list = []
+    if input_key is None and GYM_KEY in record and "messages" not in record:
+        return gym_row(record)
     if input_key is None and "messages" in record:
         messages, metadata = _from_messages(record)
         tools = _tools(record)
@@ -51,6 +56,23 @@ def to_row(record: object, input_key: str | None, output_key: str | None, templa
             answer = answer.split(answer_after)[1].strip()
         messages, metadata = [{"role": "user", "content": problem}], {"ground_truth": answer}
     row = {"messages": apply_templates(messages, templates), "metadata": metadata}
+    return {**row, "tools": tools} if tools else row
+
+
+GYM_KEY = "responses_create_params"
+
+
+def gym_row(record: dict) -> dict:
+    """A NeMo Gym task row as a prompt row. The row travels whole as JSON text in metadata.nemo_gym (what NeMo
+    Gym's agent server /run gets): JSON text because a Struct would turn its integers into doubles."""
+    from services.common.data.offline import Dropped  # here: offline.py imports this module
+    from services.common.data.responses import chat_tools, prompt_messages
+
+    try:
+        messages, tools = prompt_messages(record[GYM_KEY]), chat_tools(record[GYM_KEY]) or []
+    except Dropped as err:
+        raise RowError(f"a NeMo Gym row: {err}") from None
+    row = {"messages": messages, "metadata": {"nemo_gym": json.dumps(record)}}
     return {**row, "tools": tools} if tools else row
 
 

@@ -42,6 +42,8 @@ class AgentResult:
     """The episode's scalar reward (NeMo Gym's /verify reward, a verifiers rubric's score, a program's)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Extra named numbers kept with the episode (NeMo Gym's extra verify fields, rubric components)."""
+    named_rewards: dict[str, float] = field(default_factory=dict)
+    """The reward's components, which GDPO reads (NeMo Gym's verify `reward_components`); empty: none."""
 
 
 class AgentError(RuntimeError):

@@ -33,11 +33,14 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from services.common.nemo_rl_gym import gym_venv
 from services.environment.agents import Agent, AgentEpisode, AgentError, AgentResult
+from services.environment.agents.nemo_gym_tasks import task_row
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[3]
 EPISODE_KEY = "flywheel_episode"
+STOP_GRACE_S = 1.5
+"""Seconds ng_run gets to shut its servers and Ray down on SIGINT before its session is killed."""
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
 
 
@@ -49,7 +52,7 @@ class NemoGymSpec:
     agent: str | None = None
     """The agent server's config name (NeMo Gym's `agent_ref.name`); default: the row's `agent_ref`, else the
     only agent."""
-    venv: Path = field(default_factory=lambda: Path(os.environ.get("FLYWHEEL_GYM_VENV", REPO / ".venv-gym")))
+    venv: Path = field(default_factory=gym_venv)
     overrides: dict[str, object] = field(default_factory=dict)
     """Extra NeMo Gym global config (`key=value` on ng_run's command line)."""
     startup_s: float = 300.0
@@ -61,13 +64,6 @@ class NemoGymSpec:
             raise ValueError(f"config_paths must be a non-empty list of NeMo Gym config paths, got {paths!r}")
         if not (self.venv / "bin" / "ng_run").exists():
             raise ValueError(f"no NeMo Gym in {self.venv} (make gym-venv)")
-
-
-def nemo_rl_agent_spec(nemo_gym: dict) -> dict:
-    """NeMo RL's `env.nemo_gym` (its initial NeMo Gym global config) as a `nemo_gym` agent spec:
-    `config_paths`, and the rest as NeMo Gym overrides, less the key only NeMo RL reads."""
-    overrides = {k: v for k, v in nemo_gym.items() if k not in ("config_paths", "is_trajectory_collection")}
-    return {"type": "nemo_gym", "config_paths": list(nemo_gym["config_paths"]), "overrides": overrides}
 
 
 class NemoGymAgent(Agent):
@@ -98,7 +94,7 @@ class NemoGymAgent(Agent):
     async def _start(self) -> None:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         proxy_url = await self._start_proxy()
-        head = _free_port()
+        head = int((self.spec.overrides.get("head_server") or {}).get("port") or _free_port())
         log = open(self.workdir / "ng_run.log", "wb")
         self.proc = await asyncio.create_subprocess_exec(
             str(self.spec.venv / "bin" / "ng_run"), *self._args(proxy_url, head), cwd=self.workdir,
@@ -156,7 +152,7 @@ class NemoGymAgent(Agent):
             await self.start()
         except TimeoutError:
             raise AgentError(f"NeMo Gym servers not up within {self.spec.startup_s:g} s") from None
-        row = copy.deepcopy(episode.task.get("nemo_gym", episode.task))
+        row = copy.deepcopy(task_row(episode.task))
         url = f"{self.servers[self._agent_for(row)]}/run"
         episode_id = secrets.token_hex(16)
         params = row.setdefault("responses_create_params", {})
@@ -230,20 +226,22 @@ class NemoGymAgent(Agent):
         return web.Response(status=r.status, body=answer, content_type=r.content_type)
 
     async def close(self) -> None:
-        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); then SIGKILL to its session's process
-        group: ng_run's shutdown signals each server's bash wrapper, and a server whose wrapper it kills after its
-        grace period would live on, orphaned."""
+        """SIGINT is ng_run's own shutdown (servers, then its Ray cluster); past STOP_GRACE_S every process of its
+        session is killed: ng_run's shutdown signals each server's bash wrapper, a server whose wrapper it kills
+        would live on orphaned, and Ray's workers lead process groups of their own. The grace is short because
+        the environment service closes its agents inside its own stop grace (services/local.py waits 5 s)."""
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             with contextlib.suppress(BaseException):
                 await self.starting
         if self.proc is not None:
-            if self.proc.returncode is None:
-                self.proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.proc.wait(), 60)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                if self.proc.returncode is None:
+                    self.proc.send_signal(signal.SIGINT)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
+            finally:
+                kill_session(self.proc.pid)
             await self.proc.wait()
         if self.runner is not None:
             await self.runner.cleanup()
@@ -252,15 +250,33 @@ class NemoGymAgent(Agent):
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (Linux: read from /proc), the session leader's group first."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state ppid pgrp session
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
 def to_result(verified: dict, row: dict) -> AgentResult:
-    """/verify's answer: `reward`, and as metrics its other top-level numbers that the task row did not
-    bring."""
+    """/verify's answer: `reward`; its `reward_components` as the named rewards GDPO reads (NeMo RL's bridge
+    does the same); and as metrics its other top-level numbers that the task row did not bring."""
     reward = verified.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if not _is_number(reward):
         raise AgentError(f"NeMo Gym /verify gave a malformed reward: {reward!r}", "malformed_reward")
+    components = verified.get("reward_components") or {}
+    if not isinstance(components, dict) or not all(_is_number(v) for v in components.values()):
+        raise AgentError(f"NeMo Gym /verify gave malformed reward_components: {components!r}", "malformed_reward")
     metrics = {k: float(v) for k, v in verified.items()
                if k != "reward" and k not in row and _is_number(v)}
-    return AgentResult(reward=float(reward), metrics=metrics)
+    return AgentResult(reward=float(reward), metrics=metrics,
+                       named_rewards={k: float(v) for k, v in components.items()})
 
 
 def _is_number(v) -> bool:
@@ -296,6 +312,10 @@ def _hydra(value) -> str:
         return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ",".join(_hydra(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer():
+        # A spec that came over gRPC (a Struct) holds every number as a double; NeMo Gym's ports and counts
+        # must be integers, and a float field takes an integer as well.
+        return str(int(value))
     return json.dumps(value)
 
 

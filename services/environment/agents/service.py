@@ -123,4 +123,5 @@ async def run_episode(name: str, agent: Agent, episode: AgentEpisode) -> environ
                                                 seconds=time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     SECONDS.labels(name).observe(seconds)
-    return environment_pb2.RunAgentResponse(reward=result.reward, metrics=result.metrics, seconds=seconds)
+    return environment_pb2.RunAgentResponse(reward=result.reward, metrics=result.metrics,
+                                            named_rewards=result.named_rewards, seconds=seconds)

@@ -138,13 +138,16 @@ def group_rows(samples: list[Sample]) -> tuple[list[int], list[dict]]:
     """Samples (of one episode or of a prompt group's episodes) in a TrajectoryGroup's shape: the longest prefix
     that every sample shares and none generated (`prompt_token_ids`), and per sample the fields of a Completion
     (`token_ids` after that prefix, `generated_mask`, `generation_logprobs`, `version_start`, `version_end`,
-    `truncated`). Samples that share nothing give an empty prompt."""
+    `truncated`). Samples that share nothing give an empty prompt. An empty sample (an episode that never called
+    the model) leaves the prefix to the others and gives an empty completion: were it counted, the prompt would be
+    empty and its row hold no token at all, which the trainer cannot take."""
     if not samples:
         return [], []
-    first = samples[0]
-    n = min(len(s.token_ids) for s in samples)
+    called = [s for s in samples if s.token_ids] or samples
+    first = called[0]
+    n = min(len(s.token_ids) for s in called)
     shared = next((i for i in range(n) if first.generated_mask[i]
-                   or any(s.token_ids[i] != first.token_ids[i] for s in samples)), n)
+                   or any(s.token_ids[i] != first.token_ids[i] for s in called)), n)
     rows = [{"token_ids": s.token_ids[shared:], "generated_mask": s.generated_mask[shared:],
              "generation_logprobs": s.logprobs[shared:], "version_start": s.version_start,
              "version_end": s.version_end, "truncated": s.truncated} for s in samples]

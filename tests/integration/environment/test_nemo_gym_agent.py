@@ -25,7 +25,8 @@ from engine_harness import Trainer, policy  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
 from services.environment.agents import AgentEpisode, AgentError, AgentResult  # noqa: E402
-from services.environment.agents.nemo_gym import NemoGymAgent, nemo_rl_agent_spec, to_result  # noqa: E402
+from services.common.nemo_rl_gym import nemo_rl_agent_spec  # noqa: E402
+from services.environment.agents.nemo_gym import NemoGymAgent, to_result  # noqa: E402
 from services.environment.agents.nemo_gym_tasks import read_tasks  # noqa: E402
 from services.environment.agents.registry import UnknownAgent, make_agent  # noqa: E402
 from services.rollout.endpoint.server import EndpointServer  # noqa: E402

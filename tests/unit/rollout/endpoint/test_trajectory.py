@@ -132,6 +132,14 @@ def test_group_rows_share_the_longest_common_ungenerated_prefix_as_the_prompt():
     assert same == []  # a generated token is never prompt
 
 
+def test_an_episode_without_calls_keeps_the_others_prompt_and_gives_an_empty_completion():
+    b = TrajectoryBuilder()
+    b.add(Call(prompt_ids=[1, 5, 6], choices=[choice([7, 2]), choice([5, 3])]))
+    prompt, rows = group_rows([b.trajectory.samples[0], Sample(), b.trajectory.samples[1]])
+    assert prompt == [1, 5, 6]
+    assert [r["token_ids"] for r in rows] == [[7, 2], [], [5, 3]]
+
+
 @pytest.mark.parametrize("seed", range(50))
 def test_group_rows_rebuild_every_sample(seed):
     calls = random_calls(random.Random(seed), n=6)

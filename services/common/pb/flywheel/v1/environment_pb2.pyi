@@ -155,8 +155,15 @@ class RunAgentRequest(_message.Message):
     def __init__(self, env_name: _Optional[str] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ..., model: _Optional[str] = ..., task_json: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class RunAgentResponse(_message.Message):
-    __slots__ = ("reward", "metrics", "error", "error_reason", "seconds")
+    __slots__ = ("reward", "metrics", "error", "error_reason", "seconds", "named_rewards")
     class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class NamedRewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -168,12 +175,14 @@ class RunAgentResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_REWARDS_FIELD_NUMBER: _ClassVar[int]
     reward: float
     metrics: _containers.ScalarMap[str, float]
     error: str
     error_reason: str
     seconds: float
-    def __init__(self, reward: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    named_rewards: _containers.ScalarMap[str, float]
+    def __init__(self, reward: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ..., seconds: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DescribeEnvironmentRequest(_message.Message):
     __slots__ = ("env_name",)
