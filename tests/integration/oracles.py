@@ -75,7 +75,9 @@ class RedisLedger:
     duplicates: int = 0
     dead_lettered: int = 0
     damaged: list[str] = field(default_factory=list)
-    """Records whose payload is missing or is another group's."""
+    """Records whose payload is missing or is another group's, or whose version tags run backwards."""
+    spanning: int = 0
+    """Completions sampled across a weight update (version_end > version_start): in-flight updates happened."""
 
     def ids(self) -> set[str]:
         """Every group id replay stored and Redis still accounts for."""
@@ -113,6 +115,7 @@ def _check_payload(ledger: RedisLedger, what: str, payload: bytes | None, gid: s
     if group.group_id != gid:
         ledger.damaged.append(f"{what}: the payload is another group's")
     ledger.damaged += [f"{what}: {v}" for v in version_problems(group)]
+    ledger.spanning += sum(c.version_end > c.version_start for c in group.completions)
 
 
 def version_problems(group: types_pb2.TrajectoryGroup) -> list[str]:
