@@ -63,6 +63,8 @@ class Ledger:
     duplicates: int
     """Deliveries replay refused as already stored (a redelivery after a crash, a republish)."""
     restarts: int
+    spanning: int
+    """Completions in replay's records that were sampled across a weight update (in-flight updates)."""
 
 
 def schedule(seed: int, steps: int, killed=KILLED, paused=PAUSED) -> list[Fault]:
@@ -74,9 +76,10 @@ def schedule(seed: int, steps: int, killed=KILLED, paused=PAUSED) -> list[Fault]
     return [Fault(step=s, action=a, target=t) for s, (a, t) in zip(at, faults)]
 
 
-def run_chaos(run_dir: Path, steps: int, seed: int, overrides: list[str] = ()) -> tuple[list[Observed], Ledger]:
-    """One run of `steps` steps under `schedule(seed, steps)`: what each fault did, and the audited ledger
-    (AssertionError if unbalanced)."""
+def run_chaos(run_dir: Path, steps: int, seed: int, overrides: list[str] = (), killed=KILLED,
+              paused=PAUSED) -> tuple[list[Observed], Ledger]:
+    """One run of `steps` steps under `schedule(seed, steps, killed, paused)`: what each fault did, and the
+    audited ledger (AssertionError if unbalanced)."""
     cfg = load_config(None, [f"grpo.max_num_steps={steps}", "grpo.async_grpo.max_trajectory_age_steps=1",
                              "checkpointing.save_period=10", "weight_sync.timeout_s=10", *overrides])
     observed = []
@@ -87,7 +90,7 @@ def run_chaos(run_dir: Path, steps: int, seed: int, overrides: list[str] = ()) -
         stack.start_services()
         poller.start()
         watcher.start()
-        for fault in schedule(seed, steps):
+        for fault in schedule(seed, steps, killed, paused):
             stack.wait_for(lambda rows, n=fault.step: len(rows) >= n, f"step {fault.step}", timeout_s=300)
             observed.append(inject(stack, fault))
         stack.wait_for(lambda rows: len(rows) >= steps, f"{steps} steps", timeout_s=600)
@@ -135,7 +138,8 @@ def audit(stack: LocalStack, client: redis.Redis, records: StepRecords, steps: i
         time.sleep(1.0)
     trained = sum(len(ids) for ids in records.first.values())
     return Ledger(steps=steps, trained=trained, published=len(published), stored=stream.stored,
-                  in_buffer=len(ledger.unchosen), duplicates=ledger.duplicates, restarts=len(read_restarts(run_dir)))
+                  in_buffer=len(ledger.unchosen), duplicates=ledger.duplicates, restarts=len(read_restarts(run_dir)),
+                  spanning=ledger.spanning)
 
 
 def _logged(paths, pattern: re.Pattern) -> set[str]:

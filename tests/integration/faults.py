@@ -39,11 +39,14 @@ class Observed:
     """kill: a live child of this process with the killed one's command line, found in /proc."""
     stopped: bool = False
     """pause: state T just after SIGSTOP and still at the end of the pause, not T after SIGCONT."""
+    survivors: tuple[int, ...] = ()
+    """kill: the killed process's descendants (vLLM's engine core, a trainer's ranks) still running once its
+    successor runs: a survivor would hold its ports and memory beside the new process."""
 
     @property
     def happened(self) -> bool:
         if self.fault.action == "kill":
-            return self.died and self.successor not in (None, self.pid)
+            return self.died and self.successor not in (None, self.pid) and not self.survivors
         return self.stopped
 
 
@@ -83,6 +86,33 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def _started(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot): with the pid, it names one process, not a reused pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> dict[int, str | None]:
+    """Every process below `pid` in /proc's parent links at this moment, with its start time."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (parent := _parent(int(entry.name))) is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = _started(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    return state(pid) not in (None, "Z") and _started(pid) == started
+
+
 def _identity(argv: list[str]) -> tuple:
     """What a restart keeps: a service's whole command line; a broker's binary and port (its monitor port is new)."""
     if "serve" in argv:
@@ -116,7 +146,7 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
     """Apply `fault` to the stack's child `fault.target`; for a kill, supervise until its successor runs."""
     pid = stack.children.procs[fault.target].pid
     if fault.action == "kill":
-        identity = _identity(_exec_argv(pid))
+        identity, below = _identity(_exec_argv(pid)), descendants(pid)
         os.kill(pid, signal.SIGKILL)
         died = bool(_until(lambda: state(pid) in (None, "Z"), 10))
 
@@ -124,7 +154,9 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
             stack.children.supervise()  # reaps the zombie, restarts after the back-off
             return _successor(pid, identity)
 
-        return Observed(fault=fault, pid=pid, died=died, successor=_until(restarted, restart_within_s, 0.2))
+        successor = _until(restarted, restart_within_s, 0.2)
+        survivors = tuple(sorted(p for p, started in below.items() if _alive(p, started)))
+        return Observed(fault=fault, pid=pid, died=died, successor=successor, survivors=survivors)
     os.killpg(pid, signal.SIGSTOP)  # the service's whole process group (vLLM's engine core included)
     stopped = bool(_until(lambda: state(pid) == "T", 5))
     time.sleep(pause_s)

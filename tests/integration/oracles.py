@@ -75,7 +75,9 @@ class RedisLedger:
     duplicates: int = 0
     dead_lettered: int = 0
     damaged: list[str] = field(default_factory=list)
-    """Records whose payload is missing or is another group's."""
+    """Records whose payload is missing or is another group's, or whose version tags run backwards."""
+    spanning: int = 0
+    """Completions sampled across a weight update (version_end > version_start): in-flight updates happened."""
 
     def ids(self) -> set[str]:
         """Every group id replay stored and Redis still accounts for."""
@@ -108,8 +110,22 @@ def read_ledger(client: redis.Redis, run: str) -> RedisLedger:
 def _check_payload(ledger: RedisLedger, what: str, payload: bytes | None, gid: str) -> None:
     if payload is None:
         ledger.damaged.append(f"{what}: no payload")
-    elif types_pb2.TrajectoryGroup.FromString(payload).group_id != gid:
+        return
+    group = types_pb2.TrajectoryGroup.FromString(payload)
+    if group.group_id != gid:
         ledger.damaged.append(f"{what}: the payload is another group's")
+    ledger.damaged += [f"{what}: {v}" for v in version_problems(group)]
+    ledger.spanning += sum(c.version_end > c.version_start for c in group.completions)
+
+
+def version_problems(group: types_pb2.TrajectoryGroup) -> list[str]:
+    """A completion's version tags run forwards (an in-flight update only ever loads newer weights, a restarted
+    worker included), and the group's staleness is measured from its oldest completion."""
+    out = [f"completion {i} sampled from version {c.version_start} to an older {c.version_end}"
+           for i, c in enumerate(group.completions) if c.version_end < c.version_start]
+    if group.completions and group.version_start != min(c.version_start for c in group.completions):
+        out.append(f"version_start {group.version_start} is not its oldest completion's")
+    return out
 
 
 def lost(published: set[str], ledger: RedisLedger) -> set[str]:

@@ -32,3 +32,25 @@ def test_every_process_killed_once_and_three_paused_and_the_ledger_balances(tmp_
     assert ledger.trained == STEPS * 16 and ledger.published > 0 and ledger.stored >= ledger.published
     first, last = reward_rose(tmp_path)
     assert last >= 0.15 and last >= 2 * first, f"reward did not rise: first 10 {first:.3f}, last 10 {last:.3f}"
+
+
+VLLM_STEPS = 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_vllm_worker_killed_and_paused_mid_sync_with_in_flight_updates_and_the_ledger_balances(tmp_path):
+    """The production engine under the same harness, bounded: vLLM on CPU starts in ~30 s, so its worker alone
+    is killed (its engine core must die with it) and paused right after a step, while the trainer pushes that
+    step's weights into it and groups are sampled across updates."""
+    overrides = ["policy.generation.backend=vllm", "grpo.async_grpo.in_flight_weight_updates=true",
+                 "checkpointing.enabled=false"]  # no Commit: every trained group's record stays for the audit
+    observed, ledger = run_chaos(tmp_path, VLLM_STEPS, SEED, overrides, killed=("rollout-0",), paused=("rollout-0",))
+
+    assert [(o.fault.action, o.fault.target) for o in observed] in (
+        [("kill", "rollout-0"), ("pause", "rollout-0")], [("pause", "rollout-0"), ("kill", "rollout-0")])
+    kill, pause = sorted(observed, key=lambda o: o.fault.action)
+    assert kill.died and kill.successor not in (None, kill.pid), f"no new worker after killing pid {kill.pid}"
+    assert not kill.survivors, f"the killed worker's processes {kill.survivors} outlived it"
+    assert pause.stopped
+    assert ledger.trained == VLLM_STEPS * 16 and ledger.restarts == 1, ledger

@@ -12,7 +12,7 @@ import redis
 
 from conftest import report, running_replay, until, with_grpo
 from groups import make_group
-from services.common.pb.flywheel.v1 import replay_pb2
+from services.common.pb.flywheel.v1 import replay_pb2, types_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/integration: oracles.py
 from oracles import StepRecords, balance, lost, read_ledger, stream_state  # noqa: E402
@@ -112,3 +112,14 @@ async def test_a_rewritten_step_record_is_caught(cfg, bus, client):
     fresh.first = dict(records.first)
     fresh.first[1] = [i.decode() for i in client.lrange(f"{p}choice:1", 0, -1)]
     assert any("step 1 is not the one replay recorded" in p for p in fresh.problems(STEPS, trained))
+
+
+async def test_a_completion_whose_version_tags_run_backwards_is_caught(cfg, bus, client):
+    await _run(cfg, bus, client)
+    key = f"flywheel:{{{cfg.run.name}}}:replay:c:1:0"
+    group = types_pb2.TrajectoryGroup.FromString(client.get(key))
+    group.completions[0].version_start, group.completions[0].version_end = 3, 2  # an older weight loaded in flight
+    group.version_start = min(c.version_start for c in group.completions)
+    client.set(key, group.SerializeToString())
+    stream, ledger = await _quiet_state(cfg, client)
+    assert any("step 1's group 0" in p and "to an older 2" in p for p in balance(stream, ledger)), ledger.damaged

@@ -23,9 +23,10 @@ KILL_AFTER = 7  # steps done; the checkpoint of step 4 (step_5) is the latest, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_batch_and_loss(tmp_path, ranks):
-    cfg = load_config(None, [f"grpo.max_num_steps={STEPS}", "grpo.async_grpo.max_trajectory_age_steps=1",
+@pytest.mark.parametrize(("ranks", "backend"), [(1, "hf"), (2, "hf"), (1, "vllm")])
+def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_batch_and_loss(tmp_path, ranks, backend):
+    """With vllm, the worker must also load the resumed checkpoint's weights, older than the ones it holds."""
+    cfg = load_config(None, [f"policy.generation.backend={backend}", f"grpo.max_num_steps={STEPS}", "grpo.async_grpo.max_trajectory_age_steps=1",
                              f"checkpointing.save_period={SAVE_PERIOD}", "checkpointing.keep_top_k=null",
                              f"trainer.nproc_per_node={ranks}", "weight_sync.timeout_s=10"])
     with LocalStack(cfg, tmp_path) as stack:
