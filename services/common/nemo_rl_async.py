@@ -119,13 +119,6 @@ def _buffer(cap: Any, tree: dict, problems: list[Problem]) -> None:
     tree.setdefault("replay", {})["capacity_groups"] = cap
 
 
-def _no_drops(_: Any, tree: dict) -> bool:
-    """Whether NeMo RL may give up on a prompt at all: at budgets 0 it fails the run instead, so no step shrinks."""
-    f = get(tree, "async_rl.rollout_failure", {}) or {}
-    return not f.get("max_skipped_prompts", 0) and not f.get("max_consecutive_dropped_prompts", 0) \
-        and f.get("on_dropped_prompt", "shrink") == "shrink"
-
-
 A = "async_rl"
 F = f"{A}.rollout_failure"
 REDELIVERED = ("Flywheel drops no prompt: the work queue redelivers a failed generation (after ack_wait) until it "
@@ -147,8 +140,8 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{F}.max_consecutive_dropped_prompts", is_(0), REDELIVERED),
     Rule(f"{F}.on_dropped_prompt", is_("shrink"), "replace keeps a pool of spare prompts diverted from the data "
          "ahead of their turn; " + REDELIVERED),
-    *(Rule(f"{F}.{key}", _no_drops, "inert while no prompt may be dropped (both drop budgets 0, "
-                                    "on_dropped_prompt shrink), as in NeMo RL; " + REDELIVERED)
+    *(Rule(f"{F}.{key}", any_, "read only once a prompt may be dropped (a drop budget above 0 or "
+                                "on_dropped_prompt replace), which is refused on its own")
       for key in ("min_step_batch_fraction", "max_replacement_attempts", "replacement_reserve_prompts")),
     *(Rule(f"{F}.{key}", any_, RETRY) for key in (
         "max_infra_attempts_per_prompt", "max_data_attempts_per_prompt", "backoff_base_s", "max_backoff_s",
