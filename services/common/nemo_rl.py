@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common import nemo_rl_async as async_rl
 from services.common import nemo_rl_gym as gym
 from services.common import nemo_rl_megatron as megatron
 from services.common.config_loader import Problem
@@ -188,8 +189,6 @@ RULES: tuple[Rule, ...] = (
     Rule("on_policy_distillation", is_(None), "GRPO with a teacher's logprob gap as the advantage (NeMo RL's MOPD, "
          "adv_estimator opd) is not built; distillation by the KL to a teacher's top-k is a run with a distillation: "
          "section (distillation_math.yaml)"),
-    Rule("async_rl", is_(None), "NeMo RL's single-controller streaming mode (samplers, rollout-failure budgets) is "
-         "not mapped; Flywheel's async GRPO is grpo.async_grpo (enabled, max_trajectory_age_steps)"),
 )
 
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
@@ -215,6 +214,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     game = get(out, f"env.{SLIDING_PUZZLE_GAME}") is not None
     megatron.prepare(out, problems, notes)
     gym.prepare(out, problems, notes)
+    async_rl.prepare(out, problems, notes)
     if get(out, "policy.generation.refit_transport") == "nixl":  # NeMo RL's NIXL refit is Flywheel's nixl channel
         _move(out, "policy.generation.refit_transport", "weight_sync.backend", problems)
     fused_adam(get(out, "policy.optimizer"), problems, notes)
@@ -224,7 +224,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
         _as_sliding_puzzle_script(out, notes)
     if get(out, "policy.generation.stop_strings", []) is None:  # NeMo RL's "none" is Flywheel's empty list
         out["policy"]["generation"]["stop_strings"] = []
-    rules = RULES + OFFLINE_RULES + DISTILLATION_RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
+    rules = RULES + async_rl.RULES + OFFLINE_RULES + DISTILLATION_RULES + (megatron.RULES if megatron.enabled(out) else megatron.INERT)
     _walk(out, copy.deepcopy(out), "", schema, rules, problems, notes)  # rules read the tree as written
     return out, problems, notes
 
