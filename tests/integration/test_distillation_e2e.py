@@ -9,12 +9,14 @@ The trainer's `train/loss` is the step's token-mean KL to the teacher, which mus
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services.common.config import load_config
+from services.common.jsonl import read_rows
 from services.common.tokenizing import check_same_vocabulary
 from services.local import LocalStack
 from services.trainer.export import export_checkpoint
@@ -22,6 +24,8 @@ from services.trainer.export import export_checkpoint
 TEACHER_SHAPE = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 256}
 """Larger than the student's default tiny shape (64, 2 layers, 2 heads); head_dim 32 as vLLM's CPU attention needs."""
 STEPS = 60
+VAL_PERIOD = 30
+VALIDATED = (0, VAL_PERIOD, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def test_a_taught_teacher_distils_into_the_student_reward_rises_and_kl_falls(tea
                          "optimizer": {"kwargs": {"lr": 0.003}}},
               "environments": [{"name": "toy", "kind": "toy_copy"}],
               "distillation": {"max_num_steps": STEPS, "num_prompts_per_step": 8, "num_generations_per_prompt": 4,
-                               "val_period": 0, "topk_logits_k": 8},
+                               "val_period": VAL_PERIOD, "val_at_start": True, "max_val_samples": 16,
+                               "topk_logits_k": 8},
               "teacher": {"model_name": str(teacher), "precision": "float32"},
               "grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
@@ -64,6 +69,10 @@ def test_a_taught_teacher_distils_into_the_student_reward_rises_and_kl_falls(tea
         stack.start_services()
         assert "teacher-0" in stack.children.procs
         rows = stack.wait_for(lambda rs: len(rs) >= STEPS, f"{STEPS} steps", timeout_s=900)
+        path = tmp_path / "run" / "validation.jsonl"
+        deadline = time.monotonic() + 300
+        while {r["version"] for r in read_rows(path)} < set(VALIDATED) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def mean(key: str, part: list[dict]) -> float:
         return sum(r[key] for r in part) / len(part)
@@ -74,3 +83,9 @@ def test_a_taught_teacher_distils_into_the_student_reward_rises_and_kl_falls(tea
     assert mean("train/reward", last) > mean("train/reward", first) + 0.2
     assert mean("train/loss", last) < 0.5 * mean("train/loss", first)
     assert max(r["train/staleness_max"] for r in rows) <= 1  # async with the bounded staleness, as GRPO
+    # Validated as GRPO is: at start and every VAL_PERIOD steps, greedy, on the student's own weights.
+    validations = {r["version"]: r for r in read_rows(path)}
+    print("distillation: validation", {v: round(r["validation/accuracy"], 3) for v, r in validations.items()})
+    assert set(validations) == set(VALIDATED), validations
+    assert all(r["validation/num_prompts"] == 16 for r in validations.values())
+    assert validations[STEPS]["validation/accuracy"] > validations[0]["validation/accuracy"]
