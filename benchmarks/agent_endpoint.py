@@ -15,8 +15,8 @@ seconds per batch on the direct side. Results: docs/benchmarks.md.
 
 The model is the locally built tiny one (random weights, its 64-token vocabulary; no model hub here).
 --hidden/--layers make it bigger (the tiny model's proportions: intermediate 2 x hidden, heads of 32 to 64), so
-that a batch costs what a small real model's does on a CPU rather than a few milliseconds: the endpoint's fixed
-cost per request is then weighed against a realistic generation time. The vocabulary stays 64, so the output
+that a batch costs hundreds of milliseconds, towards a small real model's on a CPU, rather than tens: the
+endpoint's fixed cost per request is then weighed against a more realistic generation time. The vocabulary stays 64, so the output
 layer is far cheaper than a real model's (151k for Qwen): the batch time, not the parameter count, is what to
 compare.
 """
