@@ -1,7 +1,7 @@
 """Tokens/s through the OpenAI-compatible endpoint beside the same engine called directly, same requests.
 
     python benchmarks/agent_endpoint.py [--requests 64] [--concurrency 16] [--max-tokens 16] [--backend hf]
-                                        [--repeats 2] [--client-process]
+                                        [--repeats 2] [--client-process] [--hidden 64 --layers 2]
 
 One engine (version 0 over gloo, as the trainer delivers it) serves both sides, in turns:
 - direct: `engine.generate([prompt_ids], sampling)` per request, `concurrency` at once; the prompt is the chat
@@ -10,7 +10,15 @@ One engine (version 0 over gloo, as the trainer delivers it) serves both sides, 
   that the client's CPU counts against the endpoint, or with --client-process in a process of its own, as agents
   run) to an EndpointServer on loopback, one episode per request, `concurrency` at once: HTTP, JSON, the
   template, the recording and the episode check are all in the clock.
-Printed per repeat: generated tokens/s of each side and their ratio (endpoint / direct). Results: docs/benchmarks.md.
+Printed per repeat: generated tokens/s of each side and their ratio (endpoint / direct), and the engine's mean
+seconds per batch on the direct side. Results: docs/benchmarks.md.
+
+The model is the locally built tiny one (random weights, its 64-token vocabulary; no model hub here).
+--hidden/--layers make it bigger (the tiny model's proportions: intermediate 2 x hidden, heads of 32 to 64), so
+that a batch costs hundreds of milliseconds, towards a small real model's on a CPU, rather than tens: the
+endpoint's fixed cost per request is then weighed against a more realistic generation time. The vocabulary stays 64, so the output
+layer is far cheaper than a real model's (151k for Qwen): the batch time, not the parameter count, is what to
+compare.
 """
 
 from __future__ import annotations
@@ -65,16 +73,19 @@ async def bounded(n: int, concurrency: int, one) -> int:
     return sum(await asyncio.gather(*(run(i) for i in range(n))))
 
 
-async def direct(engine, prompts: list[list[int]], args) -> float:
+async def direct(engine, prompts: list[list[int]], args) -> tuple[float, float]:
+    """(tokens/s, seconds per engine batch) of the requests called straight on the engine."""
     sampling = Sampling(max_new_tokens=args.max_tokens)
+    batches = []
 
     async def one(i: int) -> int:
         [out] = await engine.generate([prompts[i]], sampling)
+        batches.append(getattr(engine, "_batch_s", 0.0))  # the hf engine's last batch; vllm: none
         return len(out.token_ids)
 
     t0 = time.perf_counter()
     tokens = await bounded(len(prompts), args.concurrency, one)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), sum(set(batches)) / max(1, len(set(batches)))
 
 
 async def agents(base_url: str, episodes: list[tuple[str, str]], messages: list[list[dict]], concurrency: int,
@@ -120,7 +131,11 @@ async def through_endpoint(endpoint: EndpointServer, messages: list[list[dict]],
 async def main(args) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.setswitchinterval(GIL_SWITCH_S)  # as the rollout worker runs
-    cfg = load_config(None, [f"policy.generation.backend={args.backend}", "policy.max_total_sequence_length=128"])
+    shape = [f"policy.tiny.hidden_size={args.hidden}", f"policy.tiny.num_hidden_layers={args.layers}",
+             f"policy.tiny.intermediate_size={2 * args.hidden}",
+             f"policy.tiny.num_attention_heads={max(2, args.hidden // 64)}"]
+    cfg = load_config(None, [f"policy.generation.backend={args.backend}", "policy.max_total_sequence_length=128",
+                             *shape])
     engine = await ready_engine(cfg)
     endpoint = EndpointServer(cfg, engine, "bench-endpoint")
     await endpoint.start()
@@ -129,11 +144,13 @@ async def main(args) -> None:
     await direct(engine, prompts[: args.concurrency], args)  # warm-up, both sides
     await through_endpoint(endpoint, messages[: args.concurrency], args)
     print(f"backend={args.backend} requests={args.requests} concurrency={args.concurrency} "
-          f"max_tokens={args.max_tokens} client_process={args.client_process} load={os.getloadavg()[0]:.2f}")
+          f"max_tokens={args.max_tokens} client_process={args.client_process} hidden={args.hidden} "
+          f"layers={args.layers} load={os.getloadavg()[0]:.2f}")
     for repeat in range(args.repeats):
-        d = await direct(engine, prompts, args)
+        d, batch_s = await direct(engine, prompts, args)
         e = await through_endpoint(endpoint, messages, args)
-        print(f"repeat {repeat}: direct {d:8.1f} tok/s   endpoint {e:8.1f} tok/s   ratio {e / d:.3f}")
+        print(f"repeat {repeat}: direct {d:8.1f} tok/s   endpoint {e:8.1f} tok/s   ratio {e / d:.3f}   "
+              f"batch {batch_s * 1e3:.0f} ms   load {os.getloadavg()[0]:.1f}")
     await endpoint.stop()
     await engine.close()
 
@@ -147,4 +164,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--client-process", action="store_true",
                         help="the agents' SDK calls from a process of their own (their CPU off the clock's process)")
+    parser.add_argument("--hidden", type=int, default=64, help="the built model's hidden size (tiny: 64)")
+    parser.add_argument("--layers", type=int, default=2, help="the built model's layers (tiny: 2)")
     asyncio.run(main(parser.parse_args()))

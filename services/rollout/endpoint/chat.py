@@ -10,14 +10,14 @@ earlier tokens.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 
 from services.rollout.endpoint.generation import Generator, Result
 from services.rollout.endpoint.recording import Turn
-from services.rollout.endpoint.render import canonical, render_ids, spliced, template_messages
+from services.rollout.endpoint.render import (canonical, off_loop_if_long, render_ids, spliced,
+                                             template_messages)
 from services.rollout.endpoint.schemas import ChatRequest
 from services.rollout.endpoint.sessions import Episode
 from services.rollout.tools import parse_tool_calls
@@ -34,9 +34,9 @@ class Chat:
         messages = template_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         kwargs = req.chat_template_kwargs or {}
-        prompt = await asyncio.to_thread(self.prompt_ids, episode, messages, tools, kwargs)
-        result = await self.generator.generate(episode, "chat", prompt, req, req.budget(), req.n)
         history = canonical(messages, tools)
+        prompt = await off_loop_if_long(len(history), self.prompt_ids, episode, messages, tools, kwargs)
+        result = await self.generator.generate(episode, "chat", prompt, req, req.budget(), req.n)
         replies, turns = [], []
         for out in result.outs:
             content, calls = self.parse(out.text, tools, req.tool_choice)

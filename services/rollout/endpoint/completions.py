@@ -7,12 +7,12 @@ and the recording sees its calls extend each other exactly. With `return_token_i
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 from services.rollout.endpoint.chat import sse
 from services.rollout.endpoint.generation import Generator
+from services.rollout.endpoint.render import off_loop_if_long
 from services.rollout.endpoint.schemas import CompletionRequest
 from services.rollout.endpoint.sessions import Episode
 
@@ -23,7 +23,8 @@ class Completions:
 
     async def answer(self, episode: Episode, req: CompletionRequest) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
-        batch = [p if isinstance(p, list) else await asyncio.to_thread(self.encode, p) for p in req.prompts()]
+        batch = [p if isinstance(p, list) else await off_loop_if_long(len(p), self.encode, p)
+                 for p in req.prompts()]
         for ids in batch:  # a batch is refused before any of it generates
             self.generator.check(episode, ids)
         for ids in batch:

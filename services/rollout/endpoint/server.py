@@ -49,7 +49,11 @@ class EndpointServer:
     async def start(self) -> str:
         """Listen and serve; returns the base URL (scheme, host, port) without a session."""
         security = self.cfg.security
-        sock = socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET)
+        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+        # uvicorn writes a response's head and body apart, so under Nagle the body waits for the client's
+        # delayed ACK (~40 ms a call on Linux).
+        family = socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.settings.host, self.settings.port))
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,

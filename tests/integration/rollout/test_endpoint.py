@@ -201,6 +201,22 @@ async def test_models_lists_the_policy(served):
     assert [m.id for m in (await client.models.list()).data] == ["tiny"]
 
 
+async def test_answers_go_out_with_nagle_off_on_every_connection(served):
+    """uvicorn writes an answer's head and body apart: with Nagle on, the body waits for the client's delayed
+    ACK (~40 ms a call on Linux, more than a tiny model's batch)."""
+    import socket
+
+    endpoint, _, _ = served
+    _, client = agent(endpoint)
+    await asyncio.gather(*(client.models.list() for _ in range(4)))
+    connections = endpoint.server.server_state.connections
+    assert connections
+    for protocol in connections:
+        sock = protocol.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    await client.close()
+
+
 async def test_the_example_agent_runs_an_episode_that_trains_as_one_sample(served):
     endpoint, _, model = served
     key, token, base_url = endpoint.open_episode()

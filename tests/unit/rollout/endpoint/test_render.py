@@ -53,3 +53,16 @@ def test_a_template_that_rewrites_the_history_as_messages_follow_cannot_be_splic
     tok.chat_template = "{{ messages | length }}" + EOS_TEMPLATE
     recorded = ids(tok, "1<bos>u:hi\na:yo<eos>")
     assert spliced(tok, CONVERSATION, None, {}, recorded, {tok.eos_token_id}) is None
+
+
+def test_short_requests_render_on_the_loop_and_long_ones_in_a_thread():
+    import asyncio
+    import threading
+
+    from services.rollout.endpoint.render import INLINE_CHARS, off_loop_if_long
+
+    async def where(size: int) -> bool:
+        return await off_loop_if_long(size, lambda: threading.get_ident() == threading.main_thread().ident)
+
+    assert asyncio.run(where(INLINE_CHARS)) is True
+    assert asyncio.run(where(INLINE_CHARS + 1)) is False
