@@ -123,7 +123,8 @@ def test_a_verifiers_environment_with_a_tool_trains_through_flywheel_up_and_its_
             a, b = map(int, PROMPT.search(tokenizer.decode(g.prompt_token_ids)).groups())  # a taskset row's prompt
             seen_tasks.add((a, b))
             # the prompt the supervised start was trained on: the task with the tool verifiers offered
-            assert list(g.prompt_token_ids) == prompt_token_ids(tokenizer, [{"role": "user", "content": _ask(a)}], [TOOL])
+            asked = [{"role": "user", "content": _ask(a)}]
+            assert list(g.prompt_token_ids) == prompt_token_ids(tokenizer, asked, [TOOL])
             for c in g.completions:
                 reply = _last_reply(tokenizer, c)
                 assert (a, b, reply, c.reward) in episodes  # the reply verifiers got back, scored by its rubric

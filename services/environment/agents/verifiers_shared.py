@@ -90,9 +90,10 @@ class SharedRunner:
             waiting = self._pending.get(answer.pop("id", None)) if isinstance(answer, dict) else None
             if waiting is not None and not waiting.done():
                 waiting.set_result(answer)
+        held = list(self._pending.values())  # before a next runner can start and take new episodes
         await proc.wait()
         error = AgentError(f"the verifiers runner exited ({proc.returncode}): {''.join(self._stderr)[-2000:]}")
-        for waiting in list(self._pending.values()):
+        for waiting in held:
             if not waiting.done():
                 waiting.set_exception(error)
 
