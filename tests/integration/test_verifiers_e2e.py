@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 require(DEFAULT_PYTHON.exists(), "no .venv-verifiers: run `make verifiers`")
 ENV_DIR = Path(__file__).parent / "environment"  # verifiers_add_env.py
 TASKS = 4
-STEPS = 6
+STEPS = 8
 LR = "2e-3"
 SEQ = 256
 PROMPT = re.compile(r"what is (\d+) \+ (\d+)\? use the add tool\.")
@@ -54,13 +54,20 @@ TOOL = {"type": "function", "function": {  # what verifiers' chat program offers
                    "required": ["a", "b"], "title": "addArguments"}}}
 RIGHT_FRACTION = 0.5
 """Of the supervised start's demonstrations, those that answer the sum; the others answer the first operand."""
-RISE = 0.3
-"""Last 2 steps' mean reward over the first 2's, at least (32 episodes each, every task 8 times). Measured on 2 shared
-cores (2026-11-26): 0.41 -> 0.88 per step [0.44, 0.38, 0.62, 0.69, 0.88, 0.88]; with learning off (lr 1e-12) the
-steps were [0.50, 0.44, 0.50, 0.44, 0.62, 0.38] (first 2 -> last 2: 0.47 -> 0.50), a spread of 0.09 per step, and
-16 episodes at p = 0.5 give 0.125: the difference of two 2-step means of a run that does not learn has a standard
-deviation of about 0.09-0.125, so 0.3 is 2.4 or more of them. From a 100-step start with 2 tasks x 4 a step, lr 1e-3
-stayed flat over 8 steps and lr 5e-3 lost the answer's EOS (replies of digit strings, reward near 0)."""
+RISE = 0.2
+LEVEL = 0.8
+"""The last 2 steps' mean reward must be RISE over the first 2's (32 episodes each, every task 8 times) and at least
+LEVEL. Measured on 2 shared cores (2026-11-26/27, a load of 8-20 from other work), per step, first 2 -> last 2:
+6 steps [0.44, 0.38, 0.62, 0.69, 0.88, 0.88] 0.41 -> 0.88 and [0.56, 0.62, 0.75, 0.44, 0.81, 0.94] 0.59 -> 0.88;
+8 steps [0.69, 0.69, 0.81, 0.94, 0.88, 1.0, 1.0, 0.81] 0.69 -> 0.91. The first steps vary (the second already
+follows an update) and the reward cannot pass 1, so the rise alone is a weak bar. With learning off (lr 1e-12):
+6 steps [0.50, 0.44, 0.50, 0.44, 0.62, 0.38] 0.47 -> 0.50; 8 steps [0.75, 0.62, 0.81, 0.69, 0.62, 0.62, 0.50, 0.44]
+0.69 -> 0.47: the steps spread by 0.09 and 0.12 (16 episodes at p = 0.5: 0.125), which is also about the standard
+deviation of the difference of two 2-step means of a run that does not learn (RISE is 1.6 or more of them), and
+such a run's 2-step means lay between 0.47 and 0.75 about levels of 0.48 and 0.63, with a standard deviation near
+0.085 (LEVEL is 2 or more above each level). From a 100-step start with 2 tasks x 4 a step, lr 1e-3 stayed flat over 8 steps and lr 5e-3 lost the answer's
+EOS (replies of digit strings, reward near 0); a start right on a quarter of its demonstrations rose too slowly
+(0.31 -> 0.59 over 8 steps)."""
 
 
 def _supervised_start(out: Path) -> Path:
@@ -134,4 +141,4 @@ def test_a_verifiers_environment_with_a_tool_trains_through_flywheel_up_and_its_
     curve = [round(sum(r) / len(r), 3) for r in rewards.values()]
     print("rubric reward per step:", curve)
     first, last = sum(curve[:2]) / 2, sum(curve[-2:]) / 2
-    assert last >= first + RISE, f"reward did not rise: first 2 steps {first:.3f}, last 2 {last:.3f}"
+    assert last >= first + RISE and last >= LEVEL, f"no rise: first 2 steps {first:.3f}, last 2 {last:.3f}"
