@@ -6,9 +6,10 @@ runner (`verifiers_runner.py --serve`) pays that once: it holds `env.serving()` 
 and runs the episodes it is sent concurrently, each still starting its harness program and its task's own tool
 servers, as verifiers does in its own evals.
 
-What it gives up is the process-group isolation: at its deadline an episode's task is cancelled inside the runner
-(verifiers then stops that episode's harness program), but a program its rubric started, or a rubric that blocks
-the event loop, is not killed with it. A runner that dies fails the episodes it held (AgentError) and the next
+What it gives up is the process-group isolation: at its deadline an episode's task is cancelled inside the runner,
+and whatever that leaves running (a program its rubric started; its harness program, if verifiers' cancellation
+does not stop it, which is not tested here) is killed only with the runner, at `close`; a rubric that blocks the
+event loop stalls every episode. A runner that dies fails the episodes it held (AgentError) and the next
 episode starts a new one.
 """
 
