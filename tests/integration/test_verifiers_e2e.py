@@ -61,7 +61,7 @@ LEVEL. Measured on 2 shared cores (2026-11-26/27, a load of 8-20 from other work
 6 steps [0.44, 0.38, 0.62, 0.69, 0.88, 0.88] 0.41 -> 0.88 and [0.56, 0.62, 0.75, 0.44, 0.81, 0.94] 0.59 -> 0.88;
 8 steps at lr 2e-3 [0.69, 0.69, 0.81, 0.94, 0.88, 1.0, 1.0, 0.81] 0.69 -> 0.91 and [0.69, 0.69, 0.81, 0.81, 0.81,
 0.69, 0.75, 0.81] 0.69 -> 0.78 (failing); 8 steps at lr 3e-3 [0.69, 0.56, 0.62, 0.69, 0.88, 1.0, 0.88, 1.0] 0.62 ->
-0.94. The first steps vary (the second already
+0.94 and [0.62, 0.62, 0.81, 0.81, 0.94, 0.94, 0.94, 0.88] 0.62 -> 0.91. The first steps vary (the second already
 follows an update) and the reward cannot pass 1, so the rise alone is a weak bar. With learning off (lr 1e-12):
 6 steps [0.50, 0.44, 0.50, 0.44, 0.62, 0.38] 0.47 -> 0.50; 8 steps [0.75, 0.62, 0.81, 0.69, 0.62, 0.62, 0.50, 0.44]
 0.69 -> 0.47: the steps spread by 0.09 and 0.12 (16 episodes at p = 0.5: 0.125), which is also about the standard
