@@ -23,17 +23,35 @@ from services.rollout.tools import observation_text, render
 
 
 def demonstration(tok, a: int, b: int, *, train_answer: bool) -> tuple[list[int], list[bool]]:
-    """(token ids, trained mask) of one right episode."""
-    prompt = [{"role": "user", "content": f"add {a} {b}"}]
-    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    """(token ids, trained mask) of one right tool_add episode."""
+    return tool_episode(tok, f"add {a} {b}", ADD_TOOL, {"a": a, "b": b}, str(a + b), train_answer=train_answer)
+
+
+def tool_episode(tok, prompt_text: str, tool: dict, arguments: dict, result: str, *,
+                 train_answer: bool = True) -> tuple[list[int], list[bool]]:
+    """(token ids, trained mask) of an episode that calls `tool` with `arguments`, is given `result`, and answers
+    with the result: the call as the chat template writes it (which vLLM's hermes parser reads back) and EOS, the
+    tool message as the template renders it, the answer and EOS."""
+    prompt = [{"role": "user", "content": prompt_text}]
+    name = tool["function"]["name"]
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
     turn = prompt + [{"role": "assistant", "content": "", "tool_calls": [call]}]
-    call_text = render(tok, turn, [ADD_TOOL], add_generation_prompt=False)[len(
-        render(tok, prompt, [ADD_TOOL], add_generation_prompt=True)):].rstrip("\n")
-    result = [{"role": "tool", "content": str(a + b), "tool_call_id": "call_0", "name": "add"}]
-    pieces = [(prompt_token_ids(tok, prompt, [ADD_TOOL]), False),
-              (_ids(tok, call_text) + [tok.eos_token_id], True),
-              (_ids(tok, observation_text(tok, turn, result, [ADD_TOOL])), False),
-              (_ids(tok, str(a + b)) + [tok.eos_token_id], train_answer)]
+    call_text = render(tok, turn, [tool], add_generation_prompt=False)[len(
+        render(tok, prompt, [tool], add_generation_prompt=True)):].rstrip("\n")
+    observation = [{"role": "tool", "content": result, "tool_call_id": "call_0", "name": name}]
+    return _pieces([(prompt_token_ids(tok, prompt, [tool]), False),
+                    (_ids(tok, call_text) + [tok.eos_token_id], True),
+                    (_ids(tok, observation_text(tok, turn, observation, [tool])), False),
+                    (_ids(tok, result) + [tok.eos_token_id], train_answer)])
+
+
+def direct_answer(tok, prompt_text: str, tool: dict, answer: str) -> tuple[list[int], list[bool]]:
+    """(token ids, trained mask) of an episode that answers `answer` at once, without calling the offered tool."""
+    prompt = [{"role": "user", "content": prompt_text}]
+    return _pieces([(prompt_token_ids(tok, prompt, [tool]), False), (_ids(tok, answer) + [tok.eos_token_id], True)])
+
+
+def _pieces(pieces: list[tuple[list[int], bool]]) -> tuple[list[int], list[bool]]:
     ids = [t for piece, _ in pieces for t in piece]
     mask = [m for piece, m in pieces for _ in piece]
     return ids, mask
@@ -45,17 +63,38 @@ def _ids(tok, text: str) -> list[int]:
 
 def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tuple[int, int]] | None = None,
                seed: int = 0, batch: int = 16) -> Path:
-    """Train the tiny model `steps` AdamW steps on demonstrations of `pairs` (default: every pair of operands); save
-    it with its tokenizer to `out`, as a directory policy.model_name can name."""
-    cfg = load_config()
+    """Train the tiny model `steps` AdamW steps on tool_add demonstrations of `pairs` (default: every pair of
+    operands); save it with its tokenizer to `out`, as a directory policy.model_name can name."""
+    pairs = pairs or [(a, b) for a in range(OPERANDS) for b in range(OPERANDS)]
+
+    def demo(tok, rng: random.Random) -> tuple[list[int], list[bool]]:
+        return demonstration(tok, *rng.choice(pairs), train_answer=rng.random() < answer_fraction)
+
+    return supervise(out, demo, steps=steps, seed=seed, batch=batch)
+
+
+def supervise(out: Path, demo, *, steps: int, seed: int = 0, batch: int = 16, overrides: list[str] = (),
+              threads: int | None = None) -> Path:
+    """Train the tiny model (policy config with `overrides`) `steps` AdamW steps on batches of `demo(tok, rng)`
+    (token ids, trained mask); cross-entropy on the trained tokens only. Saved with its tokenizer to `out`.
+    `threads`: torch's for the training (a model this small trains several times faster on one thread than on
+    two cores other processes are using)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _supervise(out, demo, steps=steps, seed=seed, batch=batch, overrides=overrides)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _supervise(out: Path, demo, *, steps: int, seed: int, batch: int, overrides: list[str]) -> Path:
+    cfg = load_config(None, list(overrides))
     tok = build_tiny_tokenizer()
     model = build_tiny_model(cfg.policy, len(tok), seed).train()
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
-    pairs = pairs or [(a, b) for a in range(OPERANDS) for b in range(OPERANDS)]
     for _ in range(steps):
-        rows = [demonstration(tok, *rng.choice(pairs), train_answer=rng.random() < answer_fraction)
-                for _ in range(batch)]
+        rows = [demo(tok, rng) for _ in range(batch)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])
         mask = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])[:, 1:]

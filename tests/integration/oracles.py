@@ -86,9 +86,18 @@ class RedisLedger:
 
 def consumed_groups(redis_url: str, cfg) -> list[types_pb2.TrajectoryGroup]:
     """The groups of every step's batch of a run, as replay handed them to the trainer (its `c:` records)."""
+    return [g for groups in consumed_steps(redis_url, cfg).values() for g in groups]
+
+
+def consumed_steps(redis_url: str, cfg) -> dict[int, list[types_pb2.TrajectoryGroup]]:
+    """Step -> the groups of its batch, as replay handed them to the trainer (its `c:<step>:<i>` records)."""
     client = redis.Redis.from_url(redis_url, password=cfg.security.redis_password.get_secret_value() or None)
-    keys = list(client.scan_iter(f"{key_prefix(cfg.run.name)}c:*"))
-    return [types_pb2.TrajectoryGroup.FromString(client.get(k)) for k in keys]
+    prefix = f"{key_prefix(cfg.run.name)}c:"
+    steps: dict[int, list[types_pb2.TrajectoryGroup]] = {}
+    for key in sorted(client.scan_iter(f"{prefix}*")):
+        step, _ = key.decode()[len(prefix):].split(":")
+        steps.setdefault(int(step), []).append(types_pb2.TrajectoryGroup.FromString(client.get(key)))
+    return dict(sorted(steps.items()))
 
 
 def read_ledger(client: redis.Redis, run: str) -> RedisLedger:

@@ -1,50 +1,102 @@
-"""A `verifiers` environment trains through `flywheel up`: verifiers_add_env.py (written with the real package, an
-`add` MCP tool and a rubric rewarding the right sum) is an environment of the config's mix with no dataset; the
-controller leases the taskset's rows, which the environment service lists by running the env in the verifiers
-venv (Prompts), and each episode runs in that venv through VerifiersAgent against the rollout worker's endpoint.
+"""A `verifiers` environment with a tool trains through `flywheel up` and its reward rises: verifiers_add_env.py
+(written with the real package, an `add` MCP tool and a rubric rewarding the right sum) is an environment of the
+config's mix with no dataset; the controller leases the taskset's rows, which the environment service lists by
+running the env in the verifiers venv (Prompts), and each episode runs in that venv through VerifiersAgent against
+the rollout worker's endpoint. The agent uses the shared runner (one verifiers process for every episode, the
+tool served once for the taskset), or a run of a few dozen episodes would not fit a few minutes on 2 cores.
+
+The run starts from a briefly supervised model (tests/tool_demos.py, on the prompt as the endpoint renders it with
+the tool verifiers offers): half its demonstrations answer the sum, half the first operand, so it starts right on
+about half its episodes and GRPO has to learn which answer the rubric pays for. The tiny model answers at once: it
+is offered the tool on every call but does not call it (a supervised start that writes verifiers' 84-character
+<tool_call> well takes longer than this test may: after 400 steps most sampled calls were still garbled).
 
 The oracle is verifiers' own side of each episode: the env's rubric appends the reply its client got back from the
 model and the reward it gave (the taskset's `record`). Every completion of the batches the trainer consumed
-(replay's chosen groups in Redis) must be one of those replies, on its task's prompt, and carry the reward the
-rule gives that reply (the last number equals a + b), checked here independently.
+(replay's chosen groups in Redis, by step) must end with one of those replies, on its task's prompt, and carry the
+reward the rule gives that reply (the last number equals a + b), checked here independently; the rise is measured
+on those rewards, first steps against last.
 
-Needs `.venv-verifiers` (`make verifiers`). Each episode starts a fresh Python with verifiers and its tool server
-(about 4 s each on an idle 2-core machine), so the run is 2 steps of 2 prompts x 2 episodes."""
+Needs `.venv-verifiers` (`make verifiers`). Each episode still starts verifiers' chat program (a Python with the
+openai and mcp packages), so the run is small: STEPS steps of the 4 tasks x 4 episodes."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
 import pytest
 
 from needs import require
-from oracles import consumed_groups
+from oracles import consumed_steps
 from services.common.config import load_config
 from services.common.jsonl import read_rows
 from services.common.tokenizing import load_tokenizer_without_torch
 from services.environment.agents.verifiers_agent import DEFAULT_PYTHON
 from services.local import LocalStack
+from services.rollout.episodes import prompt_token_ids
+from tool_demos import direct_answer, supervise
 
 pytestmark = pytest.mark.slow
 require(DEFAULT_PYTHON.exists(), "no .venv-verifiers: run `make verifiers`")
 ENV_DIR = Path(__file__).parent / "environment"  # verifiers_add_env.py
-STEPS = 2
+TASKS = 4
+STEPS = 8
+LR = "3e-3"
+SEQ = 256
 PROMPT = re.compile(r"what is (\d+) \+ (\d+)\? use the add tool\.")
+TOOL = {"type": "function", "function": {  # what verifiers' chat program offers for verifiers_add_env's MCP tool
+    "name": "add_toolset_add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"title": "A", "type": "integer"},
+                                                    "b": {"title": "B", "type": "integer"}},
+                   "required": ["a", "b"], "title": "addArguments"}}}
+RIGHT_FRACTION = 0.5
+"""Of the supervised start's demonstrations, those that answer the sum; the others answer the first operand."""
+RISE = 0.2
+LEVEL = 0.8
+"""The last 2 steps' mean reward must be RISE over the first 2's (32 episodes each, every task 8 times) and at least
+LEVEL. Measured on 2 shared cores (2026-11-26/27, a load of 8-20 from other work), per step, first 2 -> last 2:
+6 steps [0.44, 0.38, 0.62, 0.69, 0.88, 0.88] 0.41 -> 0.88 and [0.56, 0.62, 0.75, 0.44, 0.81, 0.94] 0.59 -> 0.88;
+8 steps at lr 2e-3 [0.69, 0.69, 0.81, 0.94, 0.88, 1.0, 1.0, 0.81] 0.69 -> 0.91 and [0.69, 0.69, 0.81, 0.81, 0.81,
+0.69, 0.75, 0.81] 0.69 -> 0.78 (failing); 8 steps at lr 3e-3 [0.69, 0.56, 0.62, 0.69, 0.88, 1.0, 0.88, 1.0] 0.62 ->
+0.94 and [0.62, 0.62, 0.81, 0.81, 0.94, 0.94, 0.94, 0.88] 0.62 -> 0.91. The first steps vary (the second already
+follows an update) and the reward cannot pass 1, so the rise alone is a weak bar. With learning off (lr 1e-12):
+6 steps [0.50, 0.44, 0.50, 0.44, 0.62, 0.38] 0.47 -> 0.50; 8 steps [0.75, 0.62, 0.81, 0.69, 0.62, 0.62, 0.50, 0.44]
+0.69 -> 0.47: the steps spread by 0.09 and 0.12 (16 episodes at p = 0.5: 0.125), which is also about the standard
+deviation of the difference of two 2-step means of a run that does not learn (RISE is 1.6 or more of them), and
+such a run's 2-step means lay between 0.47 and 0.75 about levels of 0.48 and 0.63, with a standard deviation near
+0.085 (LEVEL is 2 or more above each level). From a 100-step start with 2 tasks x 4 a step, lr 1e-3 stayed flat over 8 steps and lr 5e-3 lost the answer's
+EOS (replies of digit strings, reward near 0); a start right on a quarter of its demonstrations rose too slowly
+(0.31 -> 0.59 over 8 steps)."""
 
 
-def _write(tmp_path: Path) -> Path:
-    agent = {"type": "verifiers", "pythonpath": [str(ENV_DIR)],
-             "env": {"taskset": {"id": "verifiers_add_env", "n": 4,
-                                 "task": {"record": str(tmp_path / "episodes.jsonl")}},
+def _supervised_start(out: Path) -> Path:
+    def demo(tok, rng: random.Random):
+        a = rng.randrange(TASKS)
+        return direct_answer(tok, _ask(a), TOOL, str(2 * a + 2) if rng.random() < RIGHT_FRACTION else str(a))
+
+    return supervise(out, demo, steps=300, overrides=[f"policy.max_total_sequence_length={SEQ}"], threads=1)
+
+
+def _ask(a: int) -> str:
+    return f"what is {a} + {a + 2}? use the add tool."  # verifiers_add_env's prompt
+
+
+def _write(tmp_path: Path, model: Path) -> Path:
+    agent = {"type": "verifiers", "pythonpath": [str(ENV_DIR)], "runner": "shared",
+             "env": {"taskset": {"id": "verifiers_add_env", "n": TASKS,
+                                 "task": {"record": str(tmp_path / "episodes.jsonl"), "shared_tool": True}},
                      "agent": {"harness": {"id": "null"}, "max_turns": 2}}}
     config = tmp_path / "verifiers.yaml"
     config.write_text(json.dumps({
-        "policy": {"model_name": "tiny", "max_total_sequence_length": 400,  # the prompt holds the tool schema
-                   "generation": {"backend": "hf", "max_new_tokens": 8}},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": STEPS,
-                 "val_period": 0, "val_at_start": False},
+        "policy": {"model_name": str(model), "max_total_sequence_length": SEQ,
+                   "generation": {"backend": "hf", "max_new_tokens": 8, "tool_parser": "hermes"},
+                   "optimizer": {"kwargs": {"lr": float(LR)}}},
+        "loss_fn": {"reference_policy_kl_penalty": 0.0},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": STEPS,
+                 "val_period": 0, "val_at_start": False, "async_grpo": {"max_trajectory_age_steps": 0}},
         "environments": [{"name": "add", "kind": "agent", "timeout_s": 240, "agent": agent}],
         "checkpointing": {"enabled": False}}))
     return config
@@ -55,25 +107,40 @@ def _rule(reply: str, a: int, b: int) -> float:
     return float(bool(numbers) and int(numbers[-1]) == a + b)
 
 
-def test_a_verifiers_environment_trains_through_flywheel_up(tmp_path):
-    cfg = load_config(_write(tmp_path))
+def _last_reply(tokenizer, completion) -> str:
+    """The completion's last run of generated tokens: the episode's final assistant message."""
+    pairs = list(zip(completion.token_ids, completion.generated_mask))
+    start = max(i for i, (_, m) in enumerate(pairs) if not m) + 1 if not all(m for _, m in pairs) else 0
+    return tokenizer.decode([t for t, _ in pairs[start:]], skip_special_tokens=True)
+
+
+def test_a_verifiers_environment_with_a_tool_trains_through_flywheel_up_and_its_reward_rises(tmp_path):
+    cfg = load_config(_write(tmp_path, _supervised_start(tmp_path / "model")))
     assert cfg.policy.generation.endpoint.enabled  # turned on by the agent in the mix
     with LocalStack(cfg, tmp_path / "run") as stack:
         stack.start_services()
-        rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=600)
-        groups = consumed_groups(stack.redis.url, stack.cfg)
+        rows = stack.wait_for(lambda rows: len(rows) >= STEPS, f"{STEPS} steps", timeout_s=900)
+        steps = consumed_steps(stack.redis.url, stack.cfg)
     assert all("train/reward_mean/add" in r for r in rows)
-    assert len(groups) >= STEPS * cfg.grpo.num_prompts_per_step and all(g.env_name == "add" for g in groups)
+    assert len(steps) >= STEPS and all(len(gs) == cfg.grpo.num_prompts_per_step for gs in steps.values())
     tokenizer = load_tokenizer_without_torch(cfg.policy)
     episodes = [(e["a"], e["b"], e["reply"], e["reward"]) for e in read_rows(tmp_path / "episodes.jsonl")]
-    seen_tasks = set()
-    for g in groups:
-        a, b = map(int, PROMPT.search(tokenizer.decode(g.prompt_token_ids)).groups())  # a taskset row's prompt
-        seen_tasks.add((a, b))
-        assert b == a + 2 and len(g.completions) == cfg.grpo.num_generations_per_prompt
-        for c in g.completions:
-            assert sum(c.generated_mask) > 0
-            reply = tokenizer.decode([t for t, m in zip(c.token_ids, c.generated_mask) if m], skip_special_tokens=True)
-            assert (a, b, reply, c.reward) in episodes  # the reply verifiers got back, scored by its rubric
-            assert c.reward == _rule(reply, a, b)
+    seen_tasks, rewards = set(), {}
+    for step, groups in steps.items():
+        for g in groups:
+            assert g.env_name == "add" and len(g.completions) == cfg.grpo.num_generations_per_prompt
+            a, b = map(int, PROMPT.search(tokenizer.decode(g.prompt_token_ids)).groups())  # a taskset row's prompt
+            seen_tasks.add((a, b))
+            # the prompt the supervised start was trained on: the task with the tool verifiers offered
+            asked = [{"role": "user", "content": _ask(a)}]
+            assert list(g.prompt_token_ids) == prompt_token_ids(tokenizer, asked, [TOOL])
+            for c in g.completions:
+                reply = _last_reply(tokenizer, c)
+                assert (a, b, reply, c.reward) in episodes  # the reply verifiers got back, scored by its rubric
+                assert c.reward == _rule(reply, a, b)
+                rewards.setdefault(step, []).append(c.reward)
     assert len(seen_tasks) >= 2  # the controller walked the taskset, not one row
+    curve = [round(sum(r) / len(r), 3) for r in rewards.values()]
+    print("rubric reward per step:", curve)
+    first, last = sum(curve[:2]) / 2, sum(curve[-2:]) / 2
+    assert last >= first + RISE and last >= LEVEL, f"no rise: first 2 steps {first:.3f}, last 2 {last:.3f}"

@@ -16,6 +16,8 @@ Spec (the agent environment's config, a dict):
     pythonpath:  folders holding the env's modules when they are not installed in that venv
     sampling:    sampling fields verifiers sends with every call; leave `temperature` out in training (the
                  trainer scores under policy.generation.temperature)
+    runner:      `per_episode` (default: a process per episode, killed whole at its deadline) or `shared` (one
+                 long-lived process for all episodes, verifiers_shared.py: far cheaper, less isolated)
 """
 
 from __future__ import annotations
@@ -130,14 +132,22 @@ class VerifiersAgent(Agent):
     functions) with its metrics and each reward component (`reward/<name>`)."""
 
     def __init__(self, *, env: dict, python: str | None = None, pythonpath: list[str] | None = None,
-                 sampling: dict | None = None) -> None:
+                 sampling: dict | None = None, runner: str = "per_episode") -> None:
         """The agent spec's fields (registry.py): `env`, verifiers' own env config; `python`, its venv's
-        interpreter; `pythonpath`, folders of the environment's modules; `sampling`, extra sampling args."""
+        interpreter; `pythonpath`, folders of the environment's modules; `sampling`, extra sampling args;
+        `runner`, per_episode or shared (the module docstring)."""
         if not isinstance(env, dict) or not env.get("taskset", {}).get("id"):
             raise ValueError("a verifiers agent needs env.taskset.id (the taskset module)")
+        if runner not in ("per_episode", "shared"):
+            raise ValueError(f"a verifiers agent's runner is per_episode or shared, not {runner!r}")
         spec = {"env": env, "python": python, "pythonpath": pythonpath or [], "sampling": sampling or {}}
         self.spec = spec
         self._env = env_config(spec)
+        self._shared = None
+        if runner == "shared":
+            from services.environment.agents.verifiers_shared import SharedRunner  # it imports this module
+
+            self._shared = SharedRunner(spec, self._env)
         self._rows: list[dict] | None = None
         self._rows_lock = asyncio.Lock()
         try:
@@ -156,6 +166,13 @@ class VerifiersAgent(Agent):
 
     async def run(self, episode: AgentEpisode) -> AgentResult:
         data = task_data(episode.task)
+        if self._shared is not None:
+            request = {"task": data, "base_url": episode.base_url, "model": episode.model,
+                       "sampling": self.spec.get("sampling") or {}, "api_key": episode.api_key}
+            answer = await self._shared.run(request, episode.deadline_s)
+            if "error" in answer:
+                raise AgentError(f"verifiers environment failed: {answer['error']}")
+            return as_result(answer)
         argv, env = runner_command(self.spec)
         env["FLYWHEEL_EPISODE_API_KEY"] = episode.api_key  # not in argv: a process list would show it
         request = {"op": "episode", "env": self._env, "task": data, "base_url": episode.base_url,
@@ -171,6 +188,10 @@ class VerifiersAgent(Agent):
         finally:
             await kill_group(proc)
         return as_result(parse_answer(stdout, stderr))
+
+    async def close(self) -> None:
+        if self._shared is not None:
+            await self._shared.close()
 
 
 async def kill_group(proc: asyncio.subprocess.Process) -> None:

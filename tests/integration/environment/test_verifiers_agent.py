@@ -9,6 +9,7 @@ on the first episode (its packages are fetched once, then cached)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -163,3 +164,34 @@ async def test_the_deadline_kills_the_episode_and_what_it_started(endpoint, rows
 def test_a_missing_taskset_id_is_refused():
     with pytest.raises(ValueError, match="taskset.id"):
         VerifiersAgent(env={"taskset": {}})
+
+
+SHARED = {**SPEC, "runner": "shared",
+          "env": {**SPEC["env"], "taskset": {**SPEC["env"]["taskset"], "task": {"shared_tool": True}}}}
+
+
+@ASYNC
+@pytest.mark.timeout(300)
+async def test_a_shared_runner_serves_concurrent_episodes_past_a_hung_and_a_crashing_one(endpoint, rows):
+    server, tokenizer = endpoint
+    agent = VerifiersAgent(**SHARED)
+    hung_key, hung = episode_of(server, with_task(rows[0], hang_s=HANG_S), deadline_s=40.0)
+    crash_key, crash = episode_of(server, with_task(rows[0], crash=True))
+    opened = [episode_of(server, rows[i % 2]) for i in range(3)]
+    try:
+        results = await asyncio.gather(agent.run(hung), agent.run(crash), *[agent.run(e) for _, e in opened],
+                                       return_exceptions=True)
+        runners = [p for p in env_processes() if "verifiers_runner.py" in " ".join(p.info["cmdline"])]
+    finally:
+        await agent.close()
+    assert isinstance(results[0], AgentError) and "deadline" in str(results[0])
+    assert isinstance(results[1], AgentError) and "the rubric crashed" in str(results[1])
+    assert len(runners) == 1  # every episode went to the one runner
+    for (key, episode), result in zip(opened, results[2:]):
+        sample = server.close_episode(key).samples[-1]
+        reply = tokenizer.decode(sample.token_ids[last_run(sample.generated_mask)], skip_special_tokens=True)
+        numbers = re.findall(r"-?\d+", reply)
+        a, b = episode.task[TASK_KEY]["a"], episode.task[TASK_KEY]["b"]
+        assert result.reward == float(bool(numbers) and int(numbers[-1]) == a + b)
+    server.close_episode(hung_key)
+    server.close_episode(crash_key)

@@ -35,6 +35,9 @@ class AddData(vf.TaskData):
 
 class AddTaskConfig(vf.TaskConfig):
     tools: AddToolsetConfig = AddToolsetConfig()
+    shared_tool: bool = False
+    """Serve the tool once for the taskset (verifiers' shared toolset, started with the env's serving) instead of
+    once per episode: with VerifiersAgent's shared runner, an episode then starts no tool server."""
     record: str = ""
     """A file the rubric appends one JSON line to per scored episode (the task, the reply verifiers got back
     from the model, the reward): a test's record of the episode from verifiers' side."""
@@ -48,7 +51,7 @@ def last_number(text: str) -> int | None:
 class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
     @classmethod
     def toolsets(cls, config: AddTaskConfig) -> list[vf.Toolset]:
-        return [AddToolset(config.tools)]
+        return [] if config.shared_tool else [AddToolset(config.tools)]
 
     @vf.reward
     async def correct(self, task: AddData, trace: vf.Trace) -> float:
@@ -80,6 +83,10 @@ class AddTasksetConfig(vf.TasksetConfig):
 
 
 class AddTaskset(vf.Taskset[AddTask, AddTasksetConfig]):
+    @classmethod
+    def toolsets(cls, config: AddTasksetConfig) -> list[vf.Toolset]:
+        return [AddToolset(config.task.tools)] if config.task.shared_tool else []
+
     def load(self):
         for i in range(self.config.n):
             data = AddData(prompt=f"what is {i} + {i + 2}? use the add tool.", a=i, b=i + 2, id=f"add-{i}")

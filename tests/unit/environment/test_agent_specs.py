@@ -81,3 +81,6 @@ def test_the_registry_builds_a_verifiers_agent_from_its_spec_fields_and_refuses_
         make_agent({"type": "verifiers", "env": env, "python": sys.executable, "bogus": 1})
     with pytest.raises(UnknownAgent, match="not found"):
         make_agent({"type": "verifiers", "env": env, "python": "/nonexistent/python"})
+    with pytest.raises(UnknownAgent, match="per_episode or shared"):
+        make_agent({"type": "verifiers", "env": env, "python": sys.executable, "runner": "pooled"})
+    assert make_agent({"type": "verifiers", "env": env, "python": sys.executable, "runner": "shared"})._shared
