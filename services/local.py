@@ -300,7 +300,10 @@ def run_local(cfg: FlywheelConfig, config_path: str | None, run_dir_arg: str | N
     and the trainer's latest checkpoint there carry the run on (tests/integration/test_math_e2e_resume.py)."""
     devices = checked_plan(cfg)  # before anything starts: a device combination that cannot work stops here
     run_dir = _fresh_run_dir(run_dir_arg or cfg.run.run_dir or None, resume)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
+    # SIGTERM stops the run as Ctrl-C does. SIGINT is set too: a shell starts a background job (`flywheel up &` in
+    # a script, nohup) with SIGINT ignored, and Python then keeps it ignored, so `kill -INT` did nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     with LocalStack(cfg, run_dir, devices) as stack:
         cfg = stack.cfg
         print(f"flywheel up: run dir {run_dir}\n  nats {stack.nats.url}  redis {stack.redis.url}  "

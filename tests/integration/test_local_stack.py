@@ -79,8 +79,10 @@ def test_flywheel_up_stopped_by_a_signal_leaves_no_process_behind(tmp_path, sig)
     """Ctrl-C and SIGTERM stop the run through its cleanup; even SIGKILL, which skips it, orphans nothing
     (every child dies with the launcher)."""
     run_dir = tmp_path / "run"
+    # Started as a shell starts a background job, with SIGINT ignored (a script's `&`, nohup): it must stop anyway.
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--run-dir", str(run_dir),
-                           "grpo.max_num_steps=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                           "grpo.max_num_steps=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 300
     while len(read_metrics(run_dir)) < 2:  # every service up and training
         assert up.poll() is None and time.monotonic() < deadline, "flywheel up did not start training"
