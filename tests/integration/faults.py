@@ -17,6 +17,8 @@ from pathlib import Path
 PAUSE_S = 6.0
 """Longer than the trainer's liveness window (5 s): a paused worker is dropped from the sync and rejoins."""
 RESTART_WITHIN_S = 120.0
+SURVIVOR_GRACE_S = 15.0
+"""How long a killed process's descendants may take to exit once its successor runs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,11 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
             return _successor(pid, identity)
 
         successor = _until(restarted, restart_within_s, 0.2)
-        survivors = tuple(sorted(p for p, started in below.items() if _alive(p, started)))
+        def alive() -> tuple[int, ...]:
+            return tuple(sorted(p for p, started in below.items() if _alive(p, started)))
+
+        # A SIGKILLed process with a large address space (vLLM's engine core) can take seconds to finish exiting.
+        survivors = alive() if _until(lambda: not alive(), SURVIVOR_GRACE_S) is not True else ()
         return Observed(fault=fault, pid=pid, died=died, successor=successor, survivors=survivors)
     os.killpg(pid, signal.SIGSTOP)  # the service's whole process group (vLLM's engine core included)
     stopped = bool(_until(lambda: state(pid) == "T", 5))
