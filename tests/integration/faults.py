@@ -52,13 +52,18 @@ class Observed:
         return self.stopped
 
 
-def state(pid: int) -> str | None:
-    """The one-letter state of /proc/<pid>/stat (R, S, T, Z, ...); None once the pid is gone."""
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state first); empty once the pid is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]  # the command name may hold spaces and parentheses
+        return []
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+
+
+def state(pid: int) -> str | None:
+    """The one-letter state of /proc/<pid>/stat (R, S, T, Z, ...); None once the pid is gone."""
+    return next(iter(_stat(pid)), None)
 
 
 def _argv(pid: int) -> list[str]:
@@ -82,18 +87,14 @@ def _exec_argv(pid: int) -> list[str]:
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def _started(pid: int) -> str | None:
     """The process's start time (clock ticks after boot): with the pid, it names one process, not a reused pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def descendants(pid: int) -> dict[int, str | None]:
@@ -157,11 +158,13 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
             return _successor(pid, identity)
 
         successor = _until(restarted, restart_within_s, 0.2)
+
         def alive() -> tuple[int, ...]:
             return tuple(sorted(p for p, started in below.items() if _alive(p, started)))
 
         # A SIGKILLed process with a large address space (vLLM's engine core) can take seconds to finish exiting.
-        survivors = alive() if _until(lambda: not alive(), SURVIVOR_GRACE_S) is not True else ()
+        _until(lambda: not alive(), SURVIVOR_GRACE_S)
+        survivors = alive()
         return Observed(fault=fault, pid=pid, died=died, successor=successor, survivors=survivors)
     os.killpg(pid, signal.SIGSTOP)  # the service's whole process group (vLLM's engine core included)
     stopped = bool(_until(lambda: state(pid) == "T", 5))
