@@ -31,11 +31,11 @@ from services.environment.agents.nemo_gym_tasks import read_tasks  # noqa: E402
 from services.environment.agents.registry import UnknownAgent, make_agent  # noqa: E402
 from services.rollout.endpoint.server import EndpointServer  # noqa: E402
 from services.rollout.engines import make_engine  # noqa: E402
+from needs import require  # noqa: E402
 
 VENV = Path(__file__).parents[3] / ".venv-gym"
-pytestmark = [pytest.mark.asyncio(loop_scope="module"),
-              pytest.mark.skipif(not (VENV / "bin" / "ng_run").exists(),
-                                 reason="no .venv-gym: run `make setup`")]
+require((VENV / "bin" / "ng_run").exists(), "no .venv-gym: run `make gym-venv`")
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 # NeMo RL's example at commit 7ea279a, as fetched: its env.nemo_gym is what NeMo RL hands NeMo Gym.
 NEMO_RL = Path(__file__).parents[2] / "fixtures" / "nemo_rl" / "gdpo_example_tool_call_multireward.yaml"
 EQUIVALENCE = "resources_servers/equivalence_rule/configs/lc.yaml"
