@@ -11,6 +11,9 @@ VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
 
 .PHONY: setup up test proto lint gpu-check verifiers gym-venv
 
+# The three venvs install side by side: on a fresh clone here, 156 + 47 + 68 s one after another, 190 s together.
+MAKEFLAGS += --jobs=3
+
 setup: $(STAMP)
 
 # NeMo Gym (Python >= 3.12, Ray, hydra, mlflow) in its own venv, .venv-gym: agents start its servers as
