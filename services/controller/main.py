@@ -10,12 +10,16 @@ Back-pressure is the admission rule itself (admission.py): nothing is leased for
 whose weights are more than k versions ahead of what rollout serves, so the work queue
 and the replay buffer hold at most (k + 1) * prompts_per_step groups of a healthy run.
 
-A lease is published before the run state that records it is saved (state.py). A controller
-killed between the two leases the same groups again when it restarts: each lease's group id
-and prompt are functions of the run's lease seed (saved with the state before the first
-lease) and of what the lease is for (step t's i-th prompt, the replacement of group g), so
-the second publish carries the first one's message id and JetStream drops it, if it comes
-within the work stream's duplicate window (an hour: bus.WORK_DEDUP_WINDOW_S).
+Leasing goes in units (a window's targets, or one event's replacement), one at a time (a lock), each:
+
+    save the intent (RunState.doing) ──▶ draw and publish its groups ──▶ save its leases, then the run state
+
+A controller killed inside a unit redoes its intent first thing when it restarts (resume), from the run state
+saved with it: the same cursor offsets and the same keys draw the same prompts under the same group ids (each a
+function of the run's lease seed and of what the lease is for: step t's i-th prompt, the replacement of group g),
+so JetStream drops the copies already published, if they come within the work stream's duplicate window (an
+hour: bus.WORK_DEDUP_WINDOW_S). An event is acked after its unit, so a killed one is delivered again and finds
+its replacement leased. tests/integration/test_controller_kills.py kills a controller at each of these points.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class Controller:
         self.poisoned = 0  # groups rollout gave up on (poison.py)
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
+        self.leasing = asyncio.Lock()
+        """Held by one lease unit (and the handler deciding it) at a time: a unit's saved cursor offsets are then
+        those its first draw starts from, which a restarted controller's redo needs."""
 
     @property
     def loaded_version(self) -> int:
@@ -102,10 +109,9 @@ class Controller:
             while not stop.is_set():
                 if self.fatal:
                     raise RunFailed(self.fatal)
-                await self._lease_window()
-                if self.state is not None:
-                    await self.state.save(self.snapshot())
-                    await self.state.save_leases(self.leased)
+                async with self.leasing:
+                    await self._lease_window()
+                    await self._save()  # what changed outside units: forgotten leases
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), 0.5)
@@ -129,7 +135,37 @@ class Controller:
 
     async def _lease_window(self) -> None:
         g = self.cfg.grpo
-        for target in leasable_targets(self.next_target, self.loaded_version, g.max_staleness, g.max_num_steps):
+        targets = leasable_targets(self.next_target, self.loaded_version, g.max_staleness, g.max_num_steps)
+        if targets and self.registry.active():
+            await self._unit({"targets": [targets.start, targets.stop]})
+        self._forget_consumed()
+
+    async def _unit(self, doing: dict) -> None:
+        """One lease unit (the module docstring): its intent saved, done, its outcome saved. Lock held."""
+        if self.state is not None:
+            await self.state.save(self.snapshot(doing))
+        await self._do(doing)
+        await self._save()
+
+    async def _do(self, doing: dict) -> None:
+        """A window's targets ({"targets": [first, stop]}), or an event's replacement ({"target", "key", "drop":
+        the group it replaces, "again": lease a copy of it}), from the state of when the intent was saved."""
+        if "targets" in doing:
+            return await self._lease_targets(range(*doing["targets"]))
+        old = self.leased.pop(doing["drop"], None)
+        if doing["again"] and old is None:  # a redo after the outcome's leases were saved: the copy has its prompt
+            old = self.leased.get(self._group_id(doing["key"]))
+        await self._lease(doing["target"], doing["key"], again=old if doing["again"] else None)
+
+    async def _save(self) -> None:
+        """Leases first: a run state saved with them lost would leave published groups with no record."""
+        if self.state is not None:
+            await self.state.save_leases(self.leased)
+            await self.state.save(self.snapshot())
+
+    async def _lease_targets(self, targets: range) -> None:
+        g = self.cfg.grpo
+        for target in targets:
             if not self.registry.active():
                 return
             groups = []
@@ -142,12 +178,11 @@ class Controller:
             if len(groups) < g.num_prompts_per_step:
                 return
             self.next_target = target + 1
-        self._forget_consumed()
 
-    def snapshot(self) -> RunState:
+    def snapshot(self, doing: dict | None = None) -> RunState:
         entries = self.registry.all()
         return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
-                        poisoned=self.poisoned,
+                        poisoned=self.poisoned, doing=doing or {},
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
@@ -166,6 +201,10 @@ class Controller:
             entry.cursor.seek(saved.offsets.get(entry.spec.name, 0))
             entry.leased = saved.leased.get(entry.spec.name, 0)
         log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, saved.offsets)
+        if saved.doing:  # killed inside a lease unit: finish it before anything else draws
+            log.info("redoing the lease unit the previous controller was in: %s", saved.doing)
+            await self._do(saved.doing)
+            await self._save()
 
     async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
         """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
@@ -259,55 +298,72 @@ class Controller:
             await self.reporting.on_step(report)
 
     async def _on_stale(self, msg) -> None:
-        for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"again/{gid}") in self.leased:  # announced twice: replaced already
-                continue
-            old = self.leased.pop(gid, None)
-            self.releases += 1
-            if old is not None:
-                # For the step that is waiting for data: the same prompt, unless its environment left the mix
-                # (removed; rollout could not score it), then a prompt of the mix as it is now.
-                again = old if old.env_name in self.registry.entries else None
-                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=again)
-            else:
-                # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
-                # its step was filled from later steps' groups, so the run is one group short. A new prompt.
-                log.warning("group %s went stale after its lease was forgotten; leasing a new prompt", gid)
-                await self._lease(self.trained_step + 1, f"again/{gid}")
+        async with self.leasing:
+            for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+                await self._stale(gid)
+
+    async def _stale(self, gid: str) -> None:
+        key = f"again/{gid}"
+        if self._group_id(key) in self.leased:  # announced twice: replaced already
+            return
+        old = self.leased.get(gid)
+        self.releases += 1
+        if old is not None:
+            # For the step that is waiting for data: the same prompt, unless its environment left the mix
+            # (removed; rollout could not score it), then a prompt of the mix as it is now.
+            again = old.env_name in self.registry.entries
+            await self._unit({"target": max(self.trained_step + 1, old.target_step), "key": key, "drop": gid,
+                              "again": again})
+        else:
+            # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
+            # its step was filled from later steps' groups, so the run is one group short. A new prompt.
+            log.warning("group %s went stale after its lease was forgotten; leasing a new prompt", gid)
+            await self._unit({"target": self.trained_step + 1, "key": key, "drop": gid, "again": False})
 
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
-        for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"refill/{gid}") in self.leased:  # announced twice: refilled already
-                continue
-            old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
-            target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
-            self.refills[target] = self.refills.get(target, 0) + 1
-            if self.refills[target] > refill_budget(self.cfg.grpo):
-                self.fatal = (f"dynamic sampling: step {target} needed more than grpo.dynamic_sampling_max_gen_batches="
-                              f"{self.cfg.grpo.dynamic_sampling_max_gen_batches} batches of prompts to find "
-                              f"{self.cfg.grpo.num_prompts_per_step} groups whose rewards differ")
-                self.wake.set()
-                return
-            self.releases += 1
-            await self._lease(target, f"refill/{gid}")
+        async with self.leasing:
+            for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+                if not await self._refill(gid):
+                    return
+
+    async def _refill(self, gid: str) -> bool:
+        """False when the step is past its refill budget (the run stops)."""
+        key = f"refill/{gid}"
+        if self._group_id(key) in self.leased:  # announced twice: refilled already
+            return True
+        old = self.leased.get(gid)  # None: forgotten, its step filled from later ones (see _stale)
+        target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
+        self.refills[target] = self.refills.get(target, 0) + 1
+        if self.refills[target] > refill_budget(self.cfg.grpo):
+            self.fatal = (f"dynamic sampling: step {target} needed more than grpo.dynamic_sampling_max_gen_batches="
+                          f"{self.cfg.grpo.dynamic_sampling_max_gen_batches} batches of prompts to find "
+                          f"{self.cfg.grpo.num_prompts_per_step} groups whose rewards differ")
+            self.wake.set()
+            return False
+        self.releases += 1
+        await self._unit({"target": target, "key": key, "drop": gid, "again": False})
+        return True
 
     async def _on_poisoned(self, msg) -> None:
         """A group no delivery could run: counted, and a new prompt leased in its place, not the same one (it
         would fail again); past rollout.max_poisoned_groups the run stops."""
         p = types_pb2.PoisonedGroup.FromString(msg.data)
-        old = self.leased.pop(p.group_id, None)
-        if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it
-            _warn.warning("poisoned", "ignored a poisoned-group event for group %r, not leased", p.group_id[:64])
-            return
-        self.poisoned += 1
-        log.error("%s", poison.describe(p))
-        self.fatal = poison.run_failure(self.poisoned, self.cfg.rollout, p)
-        if self.fatal:
-            self.wake.set()
-            return
-        self.releases += 1
-        await self._lease(max(self.trained_step + 1, old.target_step), f"poisoned/{p.group_id}")
+        async with self.leasing:
+            old = self.leased.get(p.group_id)
+            if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it
+                _warn.warning("poisoned", "ignored a poisoned-group event for group %r, not leased", p.group_id[:64])
+                return
+            self.poisoned += 1
+            log.error("%s", poison.describe(p))
+            self.fatal = poison.run_failure(self.poisoned, self.cfg.rollout, p)
+            if self.fatal:
+                self.leased.pop(p.group_id)
+                self.wake.set()
+                return
+            self.releases += 1
+            await self._unit({"target": max(self.trained_step + 1, old.target_step), "key": f"poisoned/{p.group_id}",
+                              "drop": p.group_id, "again": False})
 
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
