@@ -95,7 +95,7 @@ def test_a_stale_report_handled_again_after_a_restart_leases_one_replacement(tmp
         gid, old = next((gid, g) for gid, g in first.leased.items() if g.target_step == 1)
         stale = _report(gid)
         first.trained_step = 0
-        await first._on_stale(stale)  # the replacement published; killed before the save and the ack
+        await first._on_stale(stale)  # the replacement published and saved; killed before the ack
         await bus.close()
         bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
         restarted = await _controller(cfg, bus)
