@@ -19,7 +19,8 @@ saved with it: the same cursor offsets and the same keys draw the same prompts u
 function of the run's lease seed and of what the lease is for: step t's i-th prompt, the replacement of group g),
 so JetStream drops the copies already published, if they come within the work stream's duplicate window (an
 hour: bus.WORK_DEDUP_WINDOW_S). An event is acked after its unit, so a killed one is delivered again and finds
-its replacement leased. tests/integration/test_controller_kills.py kills a controller at each of these points.
+its replacement leased. A unit that fails half done (a publish that fails for good) stops the controller, so its
+successor redoes it. tests/integration/test_controller_kills.py kills a controller at each of these points.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class Controller(Replacements):
         self.poisoned = 0  # groups rollout gave up on (poison.py)
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
+        self.broken: Exception | None = None
+        """What stopped a lease unit half done (a publish that failed for good): the run loop raises it, so the
+        controller exits and its successor redoes the unit from the saved intent (an event handler's own error
+        would only be logged, and the controller would go on with the unit's draws half made)."""
         self.leasing = asyncio.Lock()
         """Held by one lease unit (and the handler deciding it) at a time: a unit's saved cursor offsets are then
         those its first draw starts from, which a restarted controller's redo needs."""
@@ -109,6 +114,8 @@ class Controller(Replacements):
             while not stop.is_set():
                 if self.fatal:
                     raise RunFailed(self.fatal)
+                if self.broken is not None:
+                    raise self.broken
                 async with self.leasing:
                     await self._lease_window()
                     await self._save()  # what changed outside units: forgotten leases
@@ -142,10 +149,17 @@ class Controller(Replacements):
 
     async def _unit(self, doing: dict) -> None:
         """One lease unit (the module docstring): its intent saved, done, its outcome saved. Lock held."""
+        if self.broken is not None:  # an event's unit after a half-done one: unacked, the successor gets it
+            raise self.broken
         if self.state is not None:
             await self.state.save(self.snapshot(doing))
-        await self._do(doing)
-        await self._save()
+        try:
+            await self._do(doing)
+            await self._save()
+        except Exception as err:
+            self.broken = err
+            self.wake.set()
+            raise
 
     async def _do(self, doing: dict) -> None:
         """A window's targets ({"targets": [first, stop]}), or an event's replacement ({"target", "key", "drop":

@@ -24,10 +24,12 @@ import random
 import signal
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import nats
 import pytest
 from nats.aio.msg import Msg
+from nats.js.errors import NoStreamResponseError
 
 from services.common import bus as bus_module
 from services.common.bus import Bus
@@ -203,3 +205,53 @@ def test_a_controller_killed_at_each_point_of_its_lease_sequence_leases_each_pro
         assert _run_life(cfg, point, nth) == -signal.SIGKILL, f"never reached {point} #{nth}"
     assert _run_life(cfg) == 0, "the last life did not finish the run (its traceback is above)"
     _check(asyncio.run(_work_stream(nats_server.url, f"killed{seed}")), reference)
+
+
+def _filtered(gid: str):
+    """A filtered announcement as the consumer hands it to the handler."""
+    return SimpleNamespace(data=types_pb2.StaleGroups(group_ids=[gid]).SerializeToString())
+
+
+async def _lease_window_and_refill(controller: Controller, version: int) -> None:
+    controller.workers["rollout"] = (version, time.monotonic())
+    await controller._lease_window()
+    await controller._on_filtered(_filtered(controller._group_id(f"step/{version}/0")))
+
+
+def test_a_lease_unit_that_fails_half_done_stops_the_controller_and_its_successor_finishes_it(tmp_path, nats_server):
+    """A refill whose publish fails for good (here the work stream is gone) has drawn its prompt and saved its
+    intent. nats-py would only log the handler's error, and the controller would go on past that draw; it stops
+    instead, and its successor redoes the refill: the run leases the same prompts as one where nothing failed."""
+    async def reference():
+        cfg = _cfg(tmp_path, nats_server.url, "unbroken")
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        await _lease_window_and_refill(controller, 0)
+        await _lease_window_and_refill(controller, 2)
+        await bus.close()
+        return [g.prompt_id for _, g in await _work_stream(nats_server.url, cfg.run.name)]
+
+    async def broken_then_restarted():
+        cfg = _cfg(tmp_path, nats_server.url, "broken")
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        first = await _controller(cfg, bus)
+        first.workers["rollout"] = (0, time.monotonic())
+        await first._lease_window()
+        before = [g.prompt_id for _, g in await _work_stream(nats_server.url, cfg.run.name)]
+        await bus.js.delete_stream(bus.subjects.stream("work"))
+        with pytest.raises(NoStreamResponseError):
+            await first._on_filtered(_filtered(first._group_id("step/0/0")))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(1.0, stop.set)  # how long it may go on, were it not to stop
+        with pytest.raises(NoStreamResponseError):  # the same error, raised by the run loop
+            await first.run(stop)
+        await bus.close()
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)  # the work stream is back, empty
+        second = await _controller(cfg, bus)  # redoes the refill
+        await _lease_window_and_refill(second, 2)
+        await bus.close()
+        return before + [g.prompt_id for _, g in await _work_stream(nats_server.url, cfg.run.name)]
+
+    expected = asyncio.run(reference())
+    leased = asyncio.run(broken_then_restarted())
+    assert len(expected) == 10 and Counter(leased) == Counter(expected)
