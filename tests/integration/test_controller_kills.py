@@ -161,8 +161,8 @@ def _run_life(cfg, point=None, nth=1) -> int:
     proc = multiprocessing.get_context("fork").Process(target=_child, args=(cfg, point, nth))
     proc.start()
     proc.join(60)
-    if proc.exitcode is None:
-        proc.kill()
+    if proc.exitcode is None:  # hung: SIGTERM, so its exit code is not taken for the point's SIGKILL
+        proc.terminate()
         proc.join()
     return proc.exitcode
 
