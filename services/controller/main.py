@@ -10,12 +10,17 @@ Back-pressure is the admission rule itself (admission.py): nothing is leased for
 whose weights are more than k versions ahead of what rollout serves, so the work queue
 and the replay buffer hold at most (k + 1) * prompts_per_step groups of a healthy run.
 
-A lease is published before the run state that records it is saved (state.py). A controller
-killed between the two leases the same groups again when it restarts: each lease's group id
-and prompt are functions of the run's lease seed (saved with the state before the first
-lease) and of what the lease is for (step t's i-th prompt, the replacement of group g), so
-the second publish carries the first one's message id and JetStream drops it, if it comes
-within the work stream's duplicate window (an hour: bus.WORK_DEDUP_WINDOW_S).
+Leasing goes in units (a window's targets, or one event's replacement), one at a time (a lock), each:
+
+    save the intent (RunState.doing) ──▶ draw and publish its groups ──▶ save its leases, then the run state
+
+A controller killed inside a unit redoes its intent first thing when it restarts (resume), from the run state
+saved with it: the same cursor offsets and the same keys draw the same prompts under the same group ids (each a
+function of the run's lease seed and of what the lease is for: step t's i-th prompt, the replacement of group g),
+so JetStream drops the copies already published, if they come within the work stream's duplicate window (an
+hour: bus.WORK_DEDUP_WINDOW_S). An event is acked after its unit, so a killed one is delivered again and finds
+its replacement leased. A unit that fails half done (a publish that fails for good) stops the controller, so its
+successor redoes it. tests/integration/test_controller_kills.py kills a controller at each of these points.
 """
 
 from __future__ import annotations
@@ -43,10 +48,10 @@ from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.common.data import LoadedData, load_data
 from services.controller.datasets import EpochCursor, Exhausted
-from services.controller import poison
 from services.controller.evaluation import ValidationLoop, Validator, generated_prompts, validation_prompts
 from services.controller.offline import serve_offline
 from services.controller.registry import Registry
+from services.controller.replacements import Replacements
 from services.controller.reporting import Reporting
 from services.controller.state import RunState, StateStore
 from services.controller.tracking import Tracker
@@ -61,7 +66,7 @@ OUTSTANDING = Gauge("flywheel_controller_outstanding_groups", "Groups leased and
 LOADED = Gauge("flywheel_controller_loaded_version", "Newest policy version served by a live rollout worker")
 
 
-class Controller:
+class Controller(Replacements):
     def __init__(self, cfg: FlywheelConfig, bus: Bus, registry: Registry, reporting: Reporting | None = None,
                  state: StateStore | None = None) -> None:
         self.cfg = cfg
@@ -82,6 +87,13 @@ class Controller:
         self.poisoned = 0  # groups rollout gave up on (poison.py)
         self.fatal = ""  # set when the run cannot go on (NeMo RL raises there too)
         self.wake = asyncio.Event()
+        self.broken: Exception | None = None
+        """What stopped a lease unit half done (a publish that failed for good): the run loop raises it, so the
+        controller exits and its successor redoes the unit from the saved intent (an event handler's own error
+        would only be logged, and the controller would go on with the unit's draws half made)."""
+        self.leasing = asyncio.Lock()
+        """Held by one lease unit (and the handler deciding it) at a time: a unit's saved cursor offsets are then
+        those its first draw starts from, which a restarted controller's redo needs."""
 
     @property
     def loaded_version(self) -> int:
@@ -102,10 +114,11 @@ class Controller:
             while not stop.is_set():
                 if self.fatal:
                     raise RunFailed(self.fatal)
-                await self._lease_window()
-                if self.state is not None:
-                    await self.state.save(self.snapshot())
-                    await self.state.save_leases(self.leased)
+                if self.broken is not None:
+                    raise self.broken
+                async with self.leasing:
+                    await self._lease_window()
+                    await self._save()  # what changed outside units: forgotten leases
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), 0.5)
@@ -129,7 +142,44 @@ class Controller:
 
     async def _lease_window(self) -> None:
         g = self.cfg.grpo
-        for target in leasable_targets(self.next_target, self.loaded_version, g.max_staleness, g.max_num_steps):
+        targets = leasable_targets(self.next_target, self.loaded_version, g.max_staleness, g.max_num_steps)
+        if targets and self.registry.active():
+            await self._unit({"targets": [targets.start, targets.stop]})
+        self._forget_consumed()
+
+    async def _unit(self, doing: dict) -> None:
+        """One lease unit (the module docstring): its intent saved, done, its outcome saved. Lock held."""
+        if self.broken is not None:  # an event's unit after a half-done one: unacked, the successor gets it
+            raise self.broken
+        if self.state is not None:
+            await self.state.save(self.snapshot(doing))
+        try:
+            await self._do(doing)
+            await self._save()
+        except Exception as err:
+            self.broken = err
+            self.wake.set()
+            raise
+
+    async def _do(self, doing: dict) -> None:
+        """A window's targets ({"targets": [first, stop]}), or an event's replacement ({"target", "key", "drop":
+        the group it replaces, "again": lease a copy of it}), from the state of when the intent was saved."""
+        if "targets" in doing:
+            return await self._lease_targets(range(*doing["targets"]))
+        old = self.leased.pop(doing["drop"], None)
+        if doing["again"] and old is None:  # a redo after the outcome's leases were saved: the copy has its prompt
+            old = self.leased.get(self._group_id(doing["key"]))
+        await self._lease(doing["target"], doing["key"], again=old if doing["again"] else None)
+
+    async def _save(self) -> None:
+        """Leases first: a run state saved with them lost would leave published groups with no record."""
+        if self.state is not None:
+            await self.state.save_leases(self.leased)
+            await self.state.save(self.snapshot())
+
+    async def _lease_targets(self, targets: range) -> None:
+        g = self.cfg.grpo
+        for target in targets:
             if not self.registry.active():
                 return
             groups = []
@@ -142,12 +192,11 @@ class Controller:
             if len(groups) < g.num_prompts_per_step:
                 return
             self.next_target = target + 1
-        self._forget_consumed()
 
-    def snapshot(self) -> RunState:
+    def snapshot(self, doing: dict | None = None) -> RunState:
         entries = self.registry.all()
         return RunState(next_target=self.next_target, releases=self.releases, lease_seed=self.lease_seed,
-                        poisoned=self.poisoned,
+                        poisoned=self.poisoned, doing=doing or {},
                         offsets={e.spec.name: e.cursor.offset for e in entries},
                         leased={e.spec.name: e.leased for e in entries})
 
@@ -166,6 +215,10 @@ class Controller:
             entry.cursor.seek(saved.offsets.get(entry.spec.name, 0))
             entry.leased = saved.leased.get(entry.spec.name, 0)
         log.info("resumed the run's leases: next target step %d, cursors %s", self.next_target, saved.offsets)
+        if saved.doing:  # killed inside a lease unit: finish it before anything else draws
+            log.info("redoing the lease unit the previous controller was in: %s", saved.doing)
+            await self._do(saved.doing)
+            await self._save()
 
     async def _lease(self, target: int, key: str, again: types_pb2.PromptGroup | None = None) -> bool:
         """Publishes one group for `target`; False when the chosen dataset's epochs are used up."""
@@ -258,57 +311,6 @@ class Controller:
         if self.reporting is not None:
             await self.reporting.on_step(report)
 
-    async def _on_stale(self, msg) -> None:
-        for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"again/{gid}") in self.leased:  # announced twice: replaced already
-                continue
-            old = self.leased.pop(gid, None)
-            self.releases += 1
-            if old is not None:
-                # For the step that is waiting for data: the same prompt, unless its environment left the mix
-                # (removed; rollout could not score it), then a prompt of the mix as it is now.
-                again = old if old.env_name in self.registry.entries else None
-                await self._lease(max(self.trained_step + 1, old.target_step), f"again/{gid}", again=again)
-            else:
-                # Leased so long ago that it was forgotten (it reached replay late, e.g. after an outage):
-                # its step was filled from later steps' groups, so the run is one group short. A new prompt.
-                log.warning("group %s went stale after its lease was forgotten; leasing a new prompt", gid)
-                await self._lease(self.trained_step + 1, f"again/{gid}")
-
-    async def _on_filtered(self, msg) -> None:
-        """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
-        for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
-            if self._group_id(f"refill/{gid}") in self.leased:  # announced twice: refilled already
-                continue
-            old = self.leased.pop(gid, None)  # None: forgotten, its step filled from later ones (see _on_stale)
-            target = self.trained_step + 1 if old is None else max(self.trained_step + 1, old.target_step)
-            self.refills[target] = self.refills.get(target, 0) + 1
-            if self.refills[target] > refill_budget(self.cfg.grpo):
-                self.fatal = (f"dynamic sampling: step {target} needed more than grpo.dynamic_sampling_max_gen_batches="
-                              f"{self.cfg.grpo.dynamic_sampling_max_gen_batches} batches of prompts to find "
-                              f"{self.cfg.grpo.num_prompts_per_step} groups whose rewards differ")
-                self.wake.set()
-                return
-            self.releases += 1
-            await self._lease(target, f"refill/{gid}")
-
-    async def _on_poisoned(self, msg) -> None:
-        """A group no delivery could run: counted, and a new prompt leased in its place, not the same one (it
-        would fail again); past rollout.max_poisoned_groups the run stops."""
-        p = types_pb2.PoisonedGroup.FromString(msg.data)
-        old = self.leased.pop(p.group_id, None)
-        if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it
-            _warn.warning("poisoned", "ignored a poisoned-group event for group %r, not leased", p.group_id[:64])
-            return
-        self.poisoned += 1
-        log.error("%s", poison.describe(p))
-        self.fatal = poison.run_failure(self.poisoned, self.cfg.rollout, p)
-        if self.fatal:
-            self.wake.set()
-            return
-        self.releases += 1
-        await self._lease(max(self.trained_step + 1, old.target_step), f"poisoned/{p.group_id}")
-
     def status(self) -> controller_pb2.StatusResponse:
         now = time.monotonic()
         consumed = (self.trained_step + 1) * self.cfg.grpo.num_prompts_per_step
@@ -354,11 +356,6 @@ def spec_from_config(spec: EnvironmentSpec) -> controller_pb2.EnvironmentSpec:
         max_turns=spec.max_turns, reward_scale=spec.reward_scale, timeout_seconds=spec.timeout_s,
         sampling=types_pb2.SamplingParams(**spec.sampling.model_dump()),
         agent=to_struct(spec.agent) if spec.agent else None)
-
-
-def refill_budget(g) -> int:
-    """Extra prompts one step may lease: dynamic_sampling_max_gen_batches counts the first batch too."""
-    return (g.dynamic_sampling_max_gen_batches - 1) * g.num_prompts_per_step
 
 
 async def submit_data(cfg: FlywheelConfig, registry: Registry, data: LoadedData) -> None:

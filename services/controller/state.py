@@ -41,6 +41,8 @@ class RunState:
     """Part of every group id the run leases (main.py): a restarted controller's leases get the same ids."""
     poisoned: int = 0
     """Groups poisoned so far (poison.py): a restarted controller goes on counting toward rollout.max_poisoned_groups."""
+    doing: dict = field(default_factory=dict)
+    """The lease unit begun and not yet saved done (main.py), which a restarted controller redoes; {} between units."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -2,7 +2,7 @@
 
 from services.common.config import load_config
 from services.common.pb.flywheel.v1 import types_pb2
-from services.controller.main import refill_budget
+from services.controller.replacements import refill_budget
 from services.replay.validate import zero_variance
 
 
