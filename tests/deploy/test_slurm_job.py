@@ -74,8 +74,8 @@ def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str,
              ("NATS", "NATS_MONITOR", "REDIS", "CONTROLLER", "ENVIRONMENT", "REPLAY", "TRAINER", "MASTER",
               "REWARD_MODEL", "TEACHER")}
     env = {**slurm_cluster, **ports, "FLYWHEEL_RUN_DIR": str(run_dir), "FLYWHEEL_METRICS_PORT_BASE": "0",
-           "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()), "FLYWHEEL_TEACHER_PORT_BASE": ports.pop("FLYWHEEL_TEACHER_PORT"),
-           "FLYWHEEL_START_TIMEOUT_S": "240",
+           "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()),
+           "FLYWHEEL_TEACHER_PORT_BASE": ports.pop("FLYWHEEL_TEACHER_PORT"), "FLYWHEEL_START_TIMEOUT_S": "240",
            "FLYWHEEL_STOP_GRACE_S": "10", "OMP_NUM_THREADS": "1"}
     watcher = threading.Thread(target=during, args=(run_dir,), daemon=True) if during else None
     if watcher:
@@ -134,7 +134,8 @@ def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm
     # trained on groups the teacher scored: its loss is the KL to them.
     teachers = load_config(run_dir / "config.yaml").teacher.addresses
     teacher_log = (run_dir / "logs" / "teacher.log").read_text()
-    assert len(teachers) == 1 and f"teacher serving on 0.0.0.0:{teachers[0].rsplit(':', 1)[1]}" in teacher_log, teacher_log
+    assert len(teachers) == 1, teachers
+    assert f"teacher serving on 0.0.0.0:{teachers[0].rsplit(':', 1)[1]}" in teacher_log, teacher_log
     assert f"(top-{K})" in teacher_log
     assert all(math.isfinite(r["train/loss"]) and r["train/loss"] > 0 for r in metrics), metrics
     assert not processes_mentioning(str(run_dir)), "a component outlived the job"

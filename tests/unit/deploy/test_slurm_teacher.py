@@ -20,7 +20,8 @@ from services.common.config import load_config
 ROOT = Path(__file__).resolve().parents[3]
 TEACHER_TASK = SLURM / "teacher_task.sh"
 CONFIG = "tests/fixtures/nemo_rl/examples/configs/distillation_math.yaml"
-EDITS = ["policy.generation.colocated.enabled=false", "policy.dtensor_cfg.context_parallel_size=1"]  # docs/nemo_rl_mapping.md
+EDITS = ["policy.generation.colocated.enabled=false",  # the two edits docs/nemo_rl_mapping.md lists
+         "policy.dtensor_cfg.context_parallel_size=1"]
 TINY = ("environments: [{name: toy, kind: toy_copy}, {name: rm, kind: reward_model, dataset: rows.jsonl}]\n"
         "env: {reward_model: {model_name: tiny}}\ndistillation: {}\nteacher: {model_name: tiny}\n")
 
@@ -70,9 +71,9 @@ def test_the_teacher_group_follows_the_reward_models_on_a_cpu_job(tmp_path):
 def test_launch_starts_the_teachers_before_rollout_and_the_config_lists_every_replica(tmp_path):
     (tmp_path / "tiny.yaml").write_text("environments: [{name: toy, kind: toy_copy}]\ndistillation: {}\n"
                                         "teacher: {model_name: tiny, num_replicas: 4}\n")
-    plan, run_dir = _dry_run(tmp_path, env={"FLYWHEEL_CONFIG": str(tmp_path / "tiny.yaml"), "FLYWHEEL_TEACHER_GROUP": "3",
-                                            "FLYWHEEL_TEACHER_PER_NODE": "2", "FLYWHEEL_TEACHER_HOSTS": "t1 t2",
-                                            "FLYWHEEL_TEACHER_PORT_BASE": "6000"})
+    plan, run_dir = _dry_run(tmp_path, env={
+        "FLYWHEEL_CONFIG": str(tmp_path / "tiny.yaml"), "FLYWHEEL_TEACHER_GROUP": "3",
+        "FLYWHEEL_TEACHER_PER_NODE": "2", "FLYWHEEL_TEACHER_HOSTS": "t1 t2", "FLYWHEEL_TEACHER_PORT_BASE": "6000"})
     assert list(plan) == ["nats", "redis", "teacher", "environment", "replay", "controller", "trainer", "rollout"]
     teacher = plan["teacher"]
     assert teacher[:2] == ["srun", "--het-group=3"] and teacher[-1] == str(TEACHER_TASK)
