@@ -121,7 +121,8 @@ DISTILLATION_RULES: tuple[Rule, ...] = (
          "the teacher scores the student's token ids; no chat template is applied"),
     Rule("teacher.tokenizer.chat_template", any_,
          "the teacher scores the student's token ids; no chat template is applied"),
-    Rule("teacher.generation.*", any_, "the teacher does not generate; it scores the student's samples"),
+    Rule("teacher.generation.*", any_, "the teacher does not generate; it scores the student's samples (of its "
+         "generation section only the temperature changes the scores: TeacherConfig.generation)"),
 )
 """The keys of NeMo RL's distillation_math.yaml that Flywheel's schema lacks (nemo_rl.py appends them)."""
 
