@@ -17,6 +17,8 @@
 #      MASTER_ADDR:MASTER_PORT = the first trainer node);  srun --het-group=2: rollout_task.sh per worker;
 #      with FLYWHEEL_REWARD_MODEL_GROUP (make_sbatch.py sets 3 when the config scores with env.reward_model),
 #      `flywheel serve reward_model` on that group's node, first (addresses.reward_model points at it);
+#      with FLYWHEEL_TEACHER_GROUP (make_sbatch.py sets it in a distillation run that names no teacher servers),
+#      teacher_task.sh per task of that group, before rollout (teacher.addresses lists every task's host:port);
 #   5. wait: success when the trainer exits 0 (last step). A component that exits otherwise (a crash,
 #      kill -9, a lost node's step) is started again with the same command, as `flywheel up` does, after
 #      a back-off that doubles (1 s .. 16 s); more than run.max_restarts restarts of one component within
@@ -26,7 +28,8 @@
 #
 # FLYWHEEL_DRY_RUN=1 prints the srun commands (also to $RUN_DIR/launch_plan.txt) instead of running
 # them, skips the health waits, and takes hosts from FLYWHEEL_INFRA_HOST / FLYWHEEL_TRAINER_HOST /
-# FLYWHEEL_INFRA_IP / FLYWHEEL_REWARD_MODEL_HOST when there is no allocation: the unit tests use it.
+# FLYWHEEL_INFRA_IP / FLYWHEEL_REWARD_MODEL_HOST / FLYWHEEL_TEACHER_HOSTS when there is no allocation: the unit
+# tests use it.
 set -euo pipefail
 
 FLYWHEEL_HOME=${FLYWHEEL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -80,6 +83,23 @@ RM_OVERRIDES=()
 if [[ -n "$RM_GROUP" ]]; then
   RM_HOST=${FLYWHEEL_REWARD_MODEL_HOST:-$(addr_of "$(hosts_of "$RM_GROUP" | head -n 1)")}
   RM_OVERRIDES=("addresses.reward_model=$RM_HOST:${FLYWHEEL_REWARD_MODEL_PORT:-50056}")
+fi
+
+# The teacher servers' het group (make_sbatch.py adds it in a distillation run whose teacher.addresses names no
+# servers): FLYWHEEL_TEACHER_PER_NODE tasks on each of its nodes, task i on FLYWHEEL_TEACHER_PORT_BASE + i.
+TEACHER_GROUP=${FLYWHEEL_TEACHER_GROUP:-}
+TEACHER_PER_NODE=${FLYWHEEL_TEACHER_PER_NODE:-1}
+export FLYWHEEL_TEACHER_PORT_BASE=${FLYWHEEL_TEACHER_PORT_BASE:-50057}
+TEACHER_OVERRIDES=()
+if [[ -n "$TEACHER_GROUP" ]]; then
+  TEACHER_HOSTS=${FLYWHEEL_TEACHER_HOSTS:-$(hosts_of "$TEACHER_GROUP")}
+  teachers=()
+  for node in $TEACHER_HOSTS; do
+    for (( r = 0; r < TEACHER_PER_NODE; r++ )); do
+      teachers+=("'$(addr_of "$node"):$(( FLYWHEEL_TEACHER_PORT_BASE + r ))'")
+    done
+  done
+  TEACHER_OVERRIDES=("teacher.addresses=[$(IFS=,; echo "${teachers[*]}")]")
 fi
 
 # --- run dir, secrets, infra configs (nothing here is readable by other users) ---
@@ -136,6 +156,7 @@ read -r MAX_RESTARTS RESTART_WINDOW_S ROLLOUT_TP < <("$PY" - "$BASE_CONFIG" "$CO
   "controller.auth_token='$CONTROLLER_TOKEN'" \
   "telemetry.otlp_endpoint='${FLYWHEEL_OTLP_ENDPOINT:-}'" \
   ${RM_OVERRIDES[@]+"${RM_OVERRIDES[@]}"} \
+  ${TEACHER_OVERRIDES[@]+"${TEACHER_OVERRIDES[@]}"} \
   "$@" <<'EOF'
 import sys
 from pathlib import Path
@@ -232,6 +253,15 @@ if [[ -n "$RM_GROUP" ]]; then
   RM=(srun --het-group="$RM_GROUP" --nodes=1 --ntasks=1 --unbuffered)
   (( GPUS )) && RM+=(--gpus-per-task=1)
   start reward_model "${RM[@]}" "$FLYWHEEL_BIN" serve reward_model "telemetry.metrics_port=$(mport 5)" --config "$CONFIG"
+fi
+
+# --- the teacher's group: its servers load their model while the others start; rollout's groups wait for them ---
+# --kill-on-bad-exit: a dead replica ends the step and the launcher restarts every replica (rollout retries its
+# calls on the live ones meanwhile), rather than leaving it dead until the others exit.
+if [[ -n "$TEACHER_GROUP" ]]; then
+  TEACHER=(srun --het-group="$TEACHER_GROUP" --ntasks-per-node="$TEACHER_PER_NODE" --unbuffered --kill-on-bad-exit=1)
+  (( GPUS )) && TEACHER+=(--gpus-per-task=1)
+  start teacher "${TEACHER[@]}" bash "$FLYWHEEL_HOME/deploy/slurm/teacher_task.sh"
 fi
 
 start environment "${INFRA[@]}" "$FLYWHEEL_BIN" serve environment "telemetry.metrics_port=$(mport 2)" --config "$CONFIG"

@@ -13,6 +13,9 @@ Three components, one per het group (launch.sh starts each with `srun --het-grou
               GPUs (--gpus-per-task=TP, 1 by default)
   3  reward model (only when the config scores with env.reward_model and names no server of its own in
               addresses.reward_model): 1 node, 1 GPU, `flywheel serve reward_model`
+  3 or 4  teacher (only in a distillation run whose teacher.addresses names no servers): T nodes, one
+              `flywheel serve teacher` task per replica (teacher.num_replicas over T nodes), 1 GPU each;
+              the next group after the reward model's, or 3 without one
 With --cpu there are no GPU requests: the trainer runs G gloo ranks per node and rollout R workers per
 node, which is how the tests run the tiny model through a real Slurm.
 
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.common.config import ConfigError, FlywheelConfig, ServiceAddresses, load_config  # noqa: E402
+from services.common.devices import launched_teachers  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,23 +61,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollout-gpus", type=int, default=8, help="GPUs (with --cpu, workers) per rollout node")
     p.add_argument("--rollout-cpus-per-gpu", type=int, default=8)
     p.add_argument("--rollout-mem", default="0", help="per node; 0 = all of it")
+    p.add_argument("--teacher-nodes", type=int, default=1,
+                   help="T: nodes for the teacher replicas (teacher.num_replicas / T each, 1 GPU per replica)")
     args = p.parse_intermixed_args(argv)
-    for name in ("trainer_nodes", "trainer_gpus", "rollout_nodes", "rollout_gpus", "infra_cpus"):
+    for name in ("trainer_nodes", "trainer_gpus", "rollout_nodes", "rollout_gpus", "infra_cpus", "teacher_nodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
-def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int) -> list[str]:
+def check_fits(cfg: FlywheelConfig, cpu: bool, rollout_gpus: int, teacher_nodes: int = 1) -> list[str]:
     """Config choices that cannot work on the requested hardware: stop before the queue."""
     problems = []
     if cpu and cfg.weight_sync.backend in ("nccl", "nixl"):
         problems.append(f"weight_sync.backend={cfg.weight_sync.backend} needs GPUs; use gloo or filesystem with --cpu")
     if cpu and cfg.policy.generation.backend == "vllm":
         problems.append("policy.generation.backend=vllm needs GPUs here; use hf with --cpu")
-    if cfg.uses_teacher and not cfg.teacher.addresses:  # rollout would wait for ever for its scores
-        problems.append("teacher: this job starts no teacher server; start `flywheel serve teacher` (a job of its "
-                        "own) and name its host:port in teacher.addresses")
+    replicas = launched_teachers(cfg)
+    if replicas and replicas % teacher_nodes:
+        problems.append(f"teacher.num_replicas {replicas} does not spread evenly over --teacher-nodes {teacher_nodes}")
     tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size  # a rollout worker takes TP GPUs of its node
     if not cpu and rollout_gpus % tp:
         problems.append(f"--rollout-gpus {rollout_gpus} is not a multiple of "
@@ -86,7 +92,15 @@ def starts_reward_model(cfg: FlywheelConfig) -> bool:
     return cfg.uses_reward_model and cfg.addresses.reward_model == ServiceAddresses().reward_model
 
 
-def directives(args: argparse.Namespace, job_name: str, reward_model: bool) -> list[str]:
+def teacher_group(args: argparse.Namespace, replicas: int) -> list[str]:
+    """The teacher's het group: one task per replica, each on a GPU of its own (a replica runs whole in one process)."""
+    per_node = replicas // args.teacher_nodes
+    gpu = ["--cpus-per-task=1"] if args.cpu else [f"--gpus-per-node={per_node}",
+                                                  f"--cpus-per-task={args.rollout_cpus_per_gpu}"]
+    return [f"--nodes={args.teacher_nodes}", f"--ntasks-per-node={per_node}", *gpu, f"--mem={args.rollout_mem}"]
+
+
+def directives(args: argparse.Namespace, job_name: str, reward_model: bool, teachers: int = 0) -> list[str]:
     head = [f"--job-name={job_name}", f"--time={args.time}", f"--output={args.output_log}",
             "--signal=B:TERM@120"]
     head += [f"--partition={args.partition}"] * bool(args.partition) + [f"--account={args.account}"] * bool(args.account)
@@ -108,6 +122,9 @@ def directives(args: argparse.Namespace, job_name: str, reward_model: bool) -> l
         gpu = ["--cpus-per-task=1"] if args.cpu else ["--gpus-per-node=1", f"--cpus-per-task={args.rollout_cpus_per_gpu}"]
         groups.append(("het group 3: reward model (flywheel serve reward_model)",
                        ["--nodes=1", "--ntasks=1", *gpu, f"--mem={args.rollout_mem}"]))
+    if teachers:
+        groups.append((f"het group {len(groups)}: teacher ({teachers} x flywheel serve teacher)",
+                       teacher_group(args, teachers)))
     lines = [f"#SBATCH {d}" for d in head]
     for title, group in groups:
         if not title.startswith("het group 0"):
@@ -154,6 +171,10 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
     reward_model = starts_reward_model(cfg)
     if reward_model:
         env["FLYWHEEL_REWARD_MODEL_GROUP"] = "3"
+    teachers = launched_teachers(cfg)
+    if teachers:  # the group after the reward model's
+        env["FLYWHEEL_TEACHER_GROUP"] = str(3 + reward_model)
+        env["FLYWHEEL_TEACHER_PER_NODE"] = str(teachers // args.teacher_nodes)
     if args.venv:
         env["FLYWHEEL_VENV"] = str(Path(args.venv).resolve())
     home_line = (f"FLYWHEEL_HOME=${{FLYWHEEL_HOME:-{shlex.quote(str(home))}}}" if home else
@@ -167,7 +188,7 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
         "#   sbatch THIS_FILE [key=value ...]      # extra overrides go after the recorded ones",
         "# Slurm reads #SBATCH lines only up to the first command; `#SBATCH hetjob` separates the groups.",
         "",
-        *directives(args, args.job_name or cfg.run.name, reward_model),
+        *directives(args, args.job_name or cfg.run.name, reward_model, teachers),
         "",
         "set -euo pipefail",
         "# sbatch runs a spooled copy of this file: the checkout comes from the environment.",
@@ -188,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"make_sbatch: {err}", file=sys.stderr)
         return 2
-    problems = check_fits(cfg, args.cpu, args.rollout_gpus)
+    problems = check_fits(cfg, args.cpu, args.rollout_gpus, args.teacher_nodes)
     if problems:
         print("\n".join(f"make_sbatch: {p}" for p in problems), file=sys.stderr)
         return 2

@@ -121,10 +121,8 @@ DISTILLATION_RULES: tuple[Rule, ...] = (
          "the teacher scores the student's token ids; no chat template is applied"),
     Rule("teacher.tokenizer.chat_template", any_,
          "the teacher scores the student's token ids; no chat template is applied"),
-    Rule("teacher.generation.temperature", lambda v, _: v == 1.0,
-         "the teacher's logits are taken at temperature 1 (NeMo RL divides them by teacher.generation.temperature; "
-         "other values are not built)"),
-    Rule("teacher.generation.*", any_, "the teacher does not generate; it scores the student's samples"),
+    Rule("teacher.generation.*", any_, "the teacher does not generate; it scores the student's samples (of its "
+         "generation section only the temperature changes the scores: TeacherConfig.generation)"),
 )
 """The keys of NeMo RL's distillation_math.yaml that Flywheel's schema lacks (nemo_rl.py appends them)."""
 

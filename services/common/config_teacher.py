@@ -26,6 +26,16 @@ BYTES_PER_TOPK = 8
 """One top-k entry: a float32 logit and its token id (a varint of up to 4 bytes for ids below 2**28)."""
 
 
+class TeacherGeneration(Section):
+    """NeMo RL's `teacher.generation:` (distillation_math.yaml copies the policy's whole section into the teacher's):
+    of it only the temperature changes the teacher's scores; the other keys are accepted with no effect."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Tt: the loss takes the teacher's distribution as softmax(z / Tt) over its top-k logits z, as NeMo RL's
+    teacher divides its logits by teacher.generation.temperature before its top-k (apply_temperature_scaling).
+    The teacher service sends z unscaled (the same top-k set); the trainer divides (algorithms/distillation.py)."""
+
+
 class TeacherConfig(Section):
     """The frozen teacher that scores the student's samples (`flywheel serve teacher`, services/rollout/teacher.py)."""
 
@@ -54,6 +64,8 @@ class TeacherConfig(Section):
     """Tokens (padded rows x width) in one teacher forward; a request's completions are split to fit."""
     batch_wait_ms: float = Field(2.0, ge=0, le=1000)
     """How long the server waits for other requests to join a forward before it runs it."""
+    generation: TeacherGeneration = TeacherGeneration()
+    """NeMo RL's key for the teacher's temperature (the one key of the section that means something to a scorer)."""
 
 
 def group_payload_bytes(k: int, completions: int, max_tokens: int) -> int:

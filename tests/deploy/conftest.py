@@ -15,13 +15,14 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture
 def slurm_cluster(tmp_path_factory, need_tools):
-    """munged, slurmctld and four slurmd (logical nodes n1..n4) on this host; yields the env to use it. Four: a job
-    that starts the reward-model server has four het components, and Slurm gives each a node of its own."""
+    """munged, slurmctld and five slurmd (logical nodes n1..n5) on this host; yields the env to use it. Five: a
+    distillation job that starts the reward-model and teacher servers has five het components, and Slurm gives each
+    a node of its own."""
     need_tools("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
     require(os.geteuid() == 0, "the throwaway Slurm cluster runs its daemons as root")
     state = tmp_path_factory.mktemp("slurm")
     script = HERE / "slurm_cluster.sh"
-    run = subprocess.run(["bash", str(script), "start", str(state), "4"], capture_output=True, text=True,
+    run = subprocess.run(["bash", str(script), "start", str(state), "5"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}

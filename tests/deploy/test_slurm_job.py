@@ -1,13 +1,15 @@
 """The Slurm deployment, run for real: make_sbatch.py writes the heterogeneous job, sbatch submits it to
-a throwaway cluster of four logical nodes, and the tiny CPU run trains end to end across its components:
+a throwaway cluster of five logical nodes, and the tiny CPU run trains end to end across its components:
 infra on n1, two gloo trainer ranks (srun tasks) on n2, one rollout worker on n3. Mid-run the replay
 service is killed with SIGKILL; launch.sh starts it again and the job still completes every step. The run also
-scores an environment with a reward model, so the job has a fourth component, its server on n4.
+scores an environment with a reward model, so the job has a fourth component, its server on n4; and it is an
+on-policy distillation run whose tiny teacher is the fifth, `flywheel serve teacher` on n5.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -21,6 +23,7 @@ import pytest
 import yaml
 
 from processes import processes_mentioning
+from services.common.config import load_config
 from services.common.infra import free_port
 from services.common.jsonl import read_rows
 
@@ -28,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
 STEPS = 10
 KILL_AFTER = 1  # steps done when replay is killed
+K = 3  # the teacher's top-k
 """The tiny steps take tens of milliseconds: the steps after KILL_AFTER must outlast the killer's reaction, or
 it kills a replay the run no longer needs and the restarted one is never waited for."""
 
@@ -68,9 +72,10 @@ def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str,
     run_dir = tmp_path / "run"
     ports = {f"FLYWHEEL_{k}_PORT": str(free_port()) for k in
              ("NATS", "NATS_MONITOR", "REDIS", "CONTROLLER", "ENVIRONMENT", "REPLAY", "TRAINER", "MASTER",
-              "REWARD_MODEL")}
+              "REWARD_MODEL", "TEACHER")}
     env = {**slurm_cluster, **ports, "FLYWHEEL_RUN_DIR": str(run_dir), "FLYWHEEL_METRICS_PORT_BASE": "0",
-           "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()), "FLYWHEEL_START_TIMEOUT_S": "240",
+           "FLYWHEEL_ROLLOUT_PORT_BASE": str(free_port()),
+           "FLYWHEEL_TEACHER_PORT_BASE": ports.pop("FLYWHEEL_TEACHER_PORT"), "FLYWHEEL_START_TIMEOUT_S": "240",
            "FLYWHEEL_STOP_GRACE_S": "10", "OMP_NUM_THREADS": "1"}
     watcher = threading.Thread(target=during, args=(run_dir,), daemon=True) if during else None
     if watcher:
@@ -90,8 +95,8 @@ def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str,
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm_cluster, tmp_path):
-    """One job for every component (a second job cost the suite a minute): the toy task beside an environment
-    scored by the reward model, whose server is the fourth component."""
+    """One job for every component (each further job costs the suite about a minute): an on-policy distillation run
+    whose teacher servers the job starts, on the toy task beside an environment scored by the reward model."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"copy {i}"}]}) + "\n"
                             for i in range(8)))
@@ -101,24 +106,36 @@ def test_the_heterogeneous_job_trains_the_tiny_model_across_its_components(slurm
         "environments": [{"name": "toy", "kind": "toy_copy"},
                          {"name": "rm", "kind": "reward_model", "dataset": str(rows)}],
         "env": {"reward_model": {"model_name": "tiny", "precision": "float32"}},
-        "grpo": {"max_num_steps": STEPS, "num_prompts_per_step": 2, "num_generations_per_prompt": 4,
-                 "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}},
+        "distillation": {"max_num_steps": STEPS, "num_prompts_per_step": 2, "num_generations_per_prompt": 4,
+                         "topk_logits_k": K},
+        "teacher": {"model_name": "tiny", "tiny": {"num_hidden_layers": 3}},
+        "grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}},
         "--trainer-gpus", "2", during=lambda run_dir: _kill_replay_after(run_dir, KILL_AFTER, killed))
 
     components = _job_states(slurm_cluster, job_id)
-    assert [c["JobState"] for c in components] == ["COMPLETED"] * 4, components
-    assert [c["ExitCode"] for c in components] == ["0:0"] * 4
-    assert [c["NodeList"] for c in components] == ["n1", "n2", "n3", "n4"]  # each component on its own node
+    assert [c["JobState"] for c in components] == ["COMPLETED"] * 5, components
+    assert [c["ExitCode"] for c in components] == ["0:0"] * 5
+    assert [c["NodeList"] for c in components] == ["n1", "n2", "n3", "n4", "n5"]  # each component on its own node
     assert "trainer exited with 0" in out
     assert len(killed) == 1, killed
     assert re.search(r"flywheel: replay exited with \d+; restarting in 1 s \(1/5\)", out), out
     assert (run_dir / "logs" / "replay.log").read_text().count("replay serving on") == 2
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == STEPS  # one line per training step
+    metrics = read_rows(run_dir / "metrics.jsonl")
+    assert len(metrics) == STEPS  # one line per training step
     rng = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{STEPS}" / "rng").iterdir())
     assert rng == ["rank_0.pt", "rank_1.pt"]  # two trainer ranks, started by srun, saved the last checkpoint
     assert re.search(r"Ready to accept connections", (run_dir / "logs" / "redis.log").read_text())
     assert "reward_model serving on" in (run_dir / "logs" / "reward_model.log").read_text(), logs
     assert "failed" not in (run_dir / "logs" / "environment.log").read_text(), logs
-    rewards = [r["train/reward_mean/rm"] for r in read_rows(run_dir / "metrics.jsonl") if "train/reward_mean/rm" in r]
+    rewards = [r["train/reward_mean/rm"] for r in metrics if "train/reward_mean/rm" in r]
     assert rewards and all(r != 0.0 for r in rewards), rewards  # the model's scores, not failures
+    # The teacher ran in the fifth component, where the resolved config sends rollout; the trainer refuses a batch
+    # with a completion that lacks the teacher's top-k (batch.py, MissingTeacherScores), so every step it took
+    # trained on groups the teacher scored: its loss is the KL to them.
+    teachers = load_config(run_dir / "config.yaml").teacher.addresses
+    teacher_log = (run_dir / "logs" / "teacher.log").read_text()
+    assert len(teachers) == 1, teachers
+    assert f"teacher serving on 0.0.0.0:{teachers[0].rsplit(':', 1)[1]}" in teacher_log, teacher_log
+    assert f"(top-{K})" in teacher_log
+    assert all(math.isfinite(r["train/loss"]) and r["train/loss"] > 0 for r in metrics), metrics
     assert not processes_mentioning(str(run_dir)), "a component outlived the job"

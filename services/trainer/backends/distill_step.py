@@ -8,8 +8,8 @@ As GRPO's step (fsdp2.py): each micro-batch's loss is divided by the optimizer s
 (token_mask · sample_mask over all its rows, whichever rank runs them), so the shares add up to the step's
 token mean (NeMo RL's global_valid_toks); the loss is multiplied by dp because FSDP averages gradients over
 ranks, so ranks sum. Every rank runs the same number of micro-batches (an empty one runs a row with loss × 0).
-The student's temperature is policy.generation.temperature, the one it sampled with; the teacher's is 1
-(config_distillation.py refuses another teacher.generation.temperature).
+The student's temperature is policy.generation.temperature, the one it sampled with; the teacher's is
+teacher.generation.temperature, which NeMo RL's teacher divides its logits by before its top-k.
 
 Environment reward (Flywheel's distillation.env_reward_weight w, 0 by default as NeMo RL has none): each micro-batch
 adds w × GRPO's clipped policy-gradient share (algorithms/loss.py, loss_fn's defaults, the batch's GRPO advantages)
@@ -30,8 +30,6 @@ from services.trainer.algorithms.metrics import combine_metrics
 from services.trainer.backends.tensor_parallel import sum_over_tp
 from services.trainer.batch import TrainBatch
 from services.trainer.plan import optimizer_steps, train_plan
-
-TEACHER_TEMPERATURE = 1.0
 
 
 def loss_config(be) -> DistillationLossConfig:
@@ -54,7 +52,8 @@ def micro_loss(be, b: TrainBatch, rows: list[int], totals: dict[str, float], adv
     temperature = be.cfg.policy.generation.temperature
     kl, metrics = distillation_loss(logits, micro_inputs(b, rows, logits.shape[1], logits.device), loss_config(be),
                                     global_valid_tokens=totals["global_valid_tokens"],
-                                    student_temperature=temperature, teacher_temperature=TEACHER_TEMPERATURE)
+                                    student_temperature=temperature,
+                                    teacher_temperature=be.cfg.teacher.generation.temperature)
     if advantages is None:
         return kl, metrics
     width = logits.shape[1]

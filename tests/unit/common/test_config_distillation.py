@@ -31,8 +31,9 @@ def test_distillation_math_loads_with_the_two_documented_edits_and_its_keys_hono
     assert (cfg.loss_fn.kl_type, cfg.loss_fn.mixed_kl_weight, cfg.loss_fn.zero_outside_topk) == ("mixed", 0.5, False)
     assert cfg.policy.model_name == "Qwen/Qwen3-1.7B-Base" and g.max_staleness == 0
     keys = {key for key, _ in notes}
-    assert {"teacher.dtensor_cfg", "teacher.optimizer", "teacher.generation.temperature", "distillation.val_batch_size",
+    assert {"teacher.dtensor_cfg", "teacher.optimizer", "teacher.generation.*", "distillation.val_batch_size",
             "teacher.tokenizer.name"} <= keys
+    assert cfg.teacher.generation.temperature == 1.0  # the policy's, copied by the recipe's YAML anchor
 
 
 @pytest.mark.parametrize("edit", EDITS)
@@ -51,12 +52,20 @@ def test_loss_and_loop_keys_are_taken_and_grpos_staleness_bound_applies():
     assert cfg.grpo.num_generations_per_prompt == 4 and cfg.grpo.max_staleness == 2
 
 
+def test_the_teachers_temperature_is_taken_from_its_generation_section():
+    """NeMo RL's teacher divides its logits by teacher.generation.temperature before its top-k; the trainer does."""
+    assert load_config(CONFIG, [*EDITS, "teacher.generation.temperature=0.5"]).teacher.generation.temperature == 0.5
+    cfg = load_config(None, ["++distillation={}", "teacher.model_name=tiny", "teacher.generation.temperature=2"])
+    assert cfg.teacher.generation.temperature == 2.0
+    assert load_config(None, ["environments=[{name: toy, kind: toy_copy}]"]).teacher.generation.temperature == 1.0
+
+
 @pytest.mark.parametrize("override, key, reason", [
     ("loss_fn.kl_type=sideways", "loss_fn.kl_type", "forward"),
     ("loss_fn.mixed_kl_weight=1.5", "loss_fn.mixed_kl_weight", "less than or equal to 1"),
     ("++loss_fn.ratio_clip_max=0.3", "<root>", "GRPO's clipped policy-gradient keys"),
     ("++grpo.normalize_rewards=false", "<root>", "set the loop under distillation"),
-    ("teacher.generation.temperature=0.5", "teacher.generation.temperature", "temperature 1"),
+    ("teacher.generation.temperature=0", "teacher.generation.temperature", "greater than 0"),
     ("teacher.megatron_cfg.enabled=true", "teacher.megatron_cfg", "Megatron-Core teachers are not built"),
     ("teacher.max_total_sequence_length=1024", "teacher.max_total_sequence_length", "whole sequences"),
     ("teacher.tokenizer.name=Qwen/Qwen3-8B", "teacher.tokenizer.name", "must be the student's"),

@@ -1,26 +1,113 @@
-"""deploy/slurm/make_sbatch.py and a distillation config: the job starts no teacher server, so a config whose
-teacher it would have to start is refused before the queue; one that names its teacher servers is written."""
+"""deploy/slurm and a distillation run: make_sbatch.py gives the teacher servers a het group of their own (one task,
+one GPU per replica), launch.sh starts teacher_task.sh there before rollout and writes every replica's host:port into
+the resolved config's teacher.addresses; a config that names its teacher servers gets no group. The real job runs in
+tests/deploy/test_slurm_job.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from test_slurm import SLURM, _dry_run, _flywheel_args, _sbatch_groups
+
+from services.cli import build_parser
+from services.common.config import load_config
+
 ROOT = Path(__file__).resolve().parents[3]
+TEACHER_TASK = SLURM / "teacher_task.sh"
+CONFIG = "tests/fixtures/nemo_rl/examples/configs/distillation_math.yaml"
+EDITS = ["policy.generation.colocated.enabled=false",  # the two edits docs/nemo_rl_mapping.md lists
+         "policy.dtensor_cfg.context_parallel_size=1"]
+TINY = ("environments: [{name: toy, kind: toy_copy}, {name: rm, kind: reward_model, dataset: rows.jsonl}]\n"
+        "env: {reward_model: {model_name: tiny}}\ndistillation: {}\nteacher: {model_name: tiny}\n")
 
 
 def _make_sbatch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "deploy/slurm/make_sbatch.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, "deploy/slurm/make_sbatch.py", *args, "-o", "-"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
 
 
-CONFIG = "tests/fixtures/nemo_rl/examples/configs/distillation_math.yaml"
-EDITS = ["policy.generation.colocated.enabled=false", "policy.dtensor_cfg.context_parallel_size=1"]  # docs/nemo_rl_mapping.md
-
-
-def test_a_teacher_the_job_would_have_to_start_is_refused_and_one_named_by_address_is_not():
-    run = _make_sbatch(CONFIG, *EDITS, "-o", "-")
-    assert run.returncode == 2 and "teacher: this job starts no teacher server" in run.stderr
-    run = _make_sbatch(CONFIG, *EDITS, "teacher.addresses=[node9:50057]", "-o", "-")
+@pytest.mark.parametrize("script", [TEACHER_TASK, SLURM / "task_gpus.sh"], ids=lambda p: p.name)
+def test_bash_syntax(script):
+    run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_distillation_job_gets_a_het_group_of_teacher_replicas_one_gpu_each():
+    run = _make_sbatch(CONFIG, *EDITS)
+    assert run.returncode == 0, run.stderr
+    *_, teacher = groups = _sbatch_groups(run.stdout)
+    assert len(groups) == 4 and {"--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1"} <= set(teacher)
+    assert "FLYWHEEL_TEACHER_GROUP=${FLYWHEEL_TEACHER_GROUP:-3}" in run.stdout
+    run = _make_sbatch(CONFIG, *EDITS, "teacher.num_replicas=4", "--teacher-nodes", "2")
+    assert run.returncode == 0, run.stderr
+    assert {"--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2"} <= set(_sbatch_groups(run.stdout)[-1])
+    assert "FLYWHEEL_TEACHER_PER_NODE=${FLYWHEEL_TEACHER_PER_NODE:-2}" in run.stdout
+
+
+def test_teacher_servers_named_by_address_get_no_group_and_uneven_replicas_are_refused():
+    run = _make_sbatch(CONFIG, *EDITS, "teacher.addresses=[node9:50057]")
+    assert run.returncode == 0, run.stderr
+    assert len(_sbatch_groups(run.stdout)) == 3 and "FLYWHEEL_TEACHER_GROUP" not in run.stdout
+    run = _make_sbatch(CONFIG, *EDITS, "teacher.num_replicas=3", "--teacher-nodes", "2")
+    assert run.returncode == 2 and "teacher.num_replicas 3 does not spread evenly over --teacher-nodes 2" in run.stderr
+
+
+def test_the_teacher_group_follows_the_reward_models_on_a_cpu_job(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    run = _make_sbatch(str(tmp_path / "tiny.yaml"), "--cpu")
+    assert run.returncode == 0, run.stderr
+    groups = _sbatch_groups(run.stdout)
+    assert len(groups) == 5 and "--ntasks-per-node=1" in groups[4] and "--ntasks=1" in groups[3]
+    assert not any(d.startswith("--gpus") for g in groups for d in g)
+    assert "FLYWHEEL_REWARD_MODEL_GROUP=${FLYWHEEL_REWARD_MODEL_GROUP:-3}" in run.stdout
+    assert "FLYWHEEL_TEACHER_GROUP=${FLYWHEEL_TEACHER_GROUP:-4}" in run.stdout
+
+
+def test_launch_starts_the_teachers_before_rollout_and_the_config_lists_every_replica(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("environments: [{name: toy, kind: toy_copy}]\ndistillation: {}\n"
+                                        "teacher: {model_name: tiny, num_replicas: 4}\n")
+    plan, run_dir = _dry_run(tmp_path, env={
+        "FLYWHEEL_CONFIG": str(tmp_path / "tiny.yaml"), "FLYWHEEL_TEACHER_GROUP": "3",
+        "FLYWHEEL_TEACHER_PER_NODE": "2", "FLYWHEEL_TEACHER_HOSTS": "t1 t2", "FLYWHEEL_TEACHER_PORT_BASE": "6000"})
+    assert list(plan) == ["nats", "redis", "teacher", "environment", "replay", "controller", "trainer", "rollout"]
+    teacher = plan["teacher"]
+    assert teacher[:2] == ["srun", "--het-group=3"] and teacher[-1] == str(TEACHER_TASK)
+    assert {"--ntasks-per-node=2", "--gpus-per-task=1", "--kill-on-bad-exit=1"} <= set(teacher)
+    assert load_config(run_dir / "config.yaml").teacher.addresses == ["t1:6000", "t1:6001", "t2:6000", "t2:6001"]
+    plan, run_dir = _dry_run(tmp_path / "none", env={"FLYWHEEL_CONFIG": str(tmp_path / "tiny.yaml")})
+    assert "teacher" not in plan and load_config(run_dir / "config.yaml").teacher.addresses == []
+    assert _flywheel_args(plan["controller"]).service == "controller"
+
+
+def _teacher_task(tmp_path: Path, local_id: int, visible: str | None) -> list[str]:
+    """The argv `flywheel` gets from teacher_task.sh, and the CUDA_VISIBLE_DEVICES it starts with, last."""
+    fake = tmp_path / "flywheel"
+    fake.write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
+                    "print(json.dumps(sys.argv[1:] + [os.environ.get('CUDA_VISIBLE_DEVICES')]))\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env |= {"FLYWHEEL_BIN": str(fake), "FLYWHEEL_RESOLVED_CONFIG": "/shared/run/config.yaml",
+            "SLURM_LOCALID": str(local_id), "FLYWHEEL_TEACHER_PORT_BASE": "6000"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    run = subprocess.run(["bash", str(TEACHER_TASK)], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("local_id, visible, expected", [
+    (1, "0,1,2,3", "1"),  # every task sees the node's GPUs: task 1 takes its own
+    (1, "5", "5"),        # Slurm bound the task's GPU itself: kept
+    (0, None, None),      # a CPU job: nothing set, nothing added
+])
+def test_a_teacher_task_listens_on_its_port_on_its_own_gpu(tmp_path, local_id, visible, expected):
+    *argv, devices = _teacher_task(tmp_path, local_id, visible)
+    args = build_parser().parse_args(argv)
+    assert (args.service, args.config) == ("teacher", "/shared/run/config.yaml")
+    assert load_config(None, args.overrides).addresses.teacher == f"0.0.0.0:{6000 + local_id}"
+    assert devices == expected

@@ -1,5 +1,6 @@
 """The distillation step on the tiny model: one step's update equals SGD on a slow token-by-token reference loss, on
-1 or 2 gloo ranks and with sequence packing, and repeated steps pull the student towards a fixed teacher's top-k.
+1 or 2 gloo ranks, with sequence packing, and with a teacher.generation.temperature other than 1; repeated steps pull
+the student towards a fixed teacher's top-k.
 
 The reference shares nothing with the code under test but the model: each completion runs alone (no padding, no
 batch), the teacher's row t is read straight from Completion.teacher at the sequence position that predicts
@@ -36,11 +37,13 @@ def _train(rank: int, out: str, overrides: list[str], steps: int) -> None:
         torch.save({"before": before, "state": state, "metrics": metrics}, out)
 
 
-def position_kl(logits: torch.Tensor, z: list[float], idx: list[int]) -> torch.Tensor:
-    """kl_type mixed (w = 0.3), zero_outside_topk false, student temperature 0.7, teacher 1: NeMo RL's formula."""
+def position_kl(logits: torch.Tensor, z: list[float], idx: list[int], tt: float) -> torch.Tensor:
+    """kl_type mixed (w = 0.3), zero_outside_topk false, student temperature 0.7, teacher tt: NeMo RL's formula
+    (its teacher divides its logits by teacher.generation.temperature before its top-k)."""
     p = torch.exp(logits / 0.7) / torch.exp(logits / 0.7).sum()
     q = p[idx] / p[idx].sum()  # the student renormalised over the teacher's top-k
-    t = torch.exp(torch.tensor(z, dtype=torch.float64)) / torch.exp(torch.tensor(z, dtype=torch.float64)).sum()
+    scaled = torch.tensor(z, dtype=torch.float64) / tt
+    t = torch.exp(scaled) / torch.exp(scaled).sum()
     forward = (t * (t.log() - q.log())).sum()
     reverse = (q * (q.log() - t.log())).sum()
     return 0.3 * forward + 0.7 * reverse
@@ -60,14 +63,19 @@ def reference_step(before: dict[str, torch.Tensor], overrides: list[str]) -> tup
                 if generated:
                     total = total + position_kl(logits[len(g.prompt_token_ids) + t - 1],
                                                 list(c.teacher.logits[t * K:(t + 1) * K]),
-                                                list(c.teacher.token_ids[t * K:(t + 1) * K]))
+                                                list(c.teacher.token_ids[t * K:(t + 1) * K]),
+                                                cfg.teacher.generation.temperature)
                     tokens += 1
     loss = total / tokens
     loss.backward()
     return loss.item(), {n: before[n].double() - p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world, extra", [(1, []), (2, []), (1, PACKED)], ids=["one_rank", "two_ranks", "packed"])
+HOT_TEACHER = ["teacher.generation.temperature=1.6"]
+
+
+@pytest.mark.parametrize("world, extra", [(1, []), (2, []), (1, PACKED), (1, HOT_TEACHER)],
+                         ids=["one_rank", "two_ranks", "packed", "teacher_temperature"])
 def test_one_step_updates_the_weights_as_sgd_on_the_slow_reference_loss(tmp_path, world, extra):
     out = str(tmp_path / "out.pt")
     run_ranks(world, _train, out, SGD + extra, 1)
