@@ -62,6 +62,8 @@ LIVE_S = 10.0
 REGISTER_CHECK_S = 2.0
 """How often the controller checks that the environment service still knows the mix (a restart forgets it)."""
 LEASED = Counter("flywheel_controller_leased_groups_total", "Prompt groups leased", ["env"])
+GROUP_ID_LEN = 32
+"""Hex digits of a group id (a sha256 prefix, _group_id)."""
 OUTSTANDING = Gauge("flywheel_controller_outstanding_groups", "Groups leased and not yet consumed (queue depth)")
 LOADED = Gauge("flywheel_controller_loaded_version", "Newest policy version served by a live rollout worker")
 
@@ -278,7 +280,14 @@ class Controller(Replacements):
             LEASED.labels(group.env_name).inc()
 
     def _group_id(self, key: str) -> str:
-        return hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:32]
+        return hashlib.sha256(f"{self.lease_seed}/{key}".encode()).hexdigest()[:GROUP_ID_LEN]
+
+    @staticmethod
+    def _is_group_id(text: str) -> bool:
+        """Whether `text` has _group_id's form. An event naming anything else names no lease of any controller:
+        it is dropped before it reaches a lease unit, whose saved intent would carry it (a near-max_payload id
+        made that save fail, and the event came back for ever)."""
+        return len(text) == GROUP_ID_LEN and all(c in "0123456789abcdef" for c in text)
 
     def _forget_consumed(self) -> None:
         horizon = self.trained_step - self.cfg.grpo.max_staleness - 1

@@ -27,8 +27,17 @@ def refill_budget(g) -> int:
 class Replacements:
     async def _on_stale(self, msg) -> None:
         async with self.leasing:
-            for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+            for gid in self._event_ids(msg, "stale"):
                 await self._stale(gid)
+
+    def _event_ids(self, msg, kind: str) -> list[str]:
+        """A StaleGroups event's group ids of _group_id's form; any other is a stray id, warned about and skipped."""
+        ids = types_pb2.StaleGroups.FromString(msg.data).group_ids
+        stray = [gid for gid in ids if not self._is_group_id(gid)]
+        if stray:
+            _warn.warning(kind, "ignored %d id(s) of a %s event that are no group id, e.g. %r", len(stray), kind,
+                          stray[0][:64])
+        return [gid for gid in ids if self._is_group_id(gid)]
 
     async def _stale(self, gid: str) -> None:
         key = f"again/{gid}"
@@ -51,7 +60,7 @@ class Replacements:
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
         async with self.leasing:
-            for gid in types_pb2.StaleGroups.FromString(msg.data).group_ids:
+            for gid in self._event_ids(msg, "filtered"):
                 if not await self._refill(gid):
                     return
 

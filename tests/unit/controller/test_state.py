@@ -237,7 +237,7 @@ def test_a_group_that_goes_stale_after_its_lease_was_forgotten_is_replaced_by_a_
         await _serve_versions(controller, range(0, 2))
         before = dict(controller.leased)
         controller.trained_step = 3
-        await controller._on_stale(_report("forgotten-long-ago"))
+        await controller._on_stale(_report("0f" * 16))  # an id of a lease's form, forgotten
         new = [g for gid, g in controller.leased.items() if gid not in before]
         await bus.close()
         return new, controller.releases, {g.prompt_id for g in before.values()}
@@ -245,6 +245,26 @@ def test_a_group_that_goes_stale_after_its_lease_was_forgotten_is_replaced_by_a_
     new, releases, earlier_prompts = asyncio.run(go())
     assert len(new) == 1 and new[0].target_step == 4 and releases == 1
     assert new[0].prompt_id not in earlier_prompts, "a new prompt, not one already leased"
+
+
+def test_an_event_naming_no_group_id_leases_nothing_and_leaves_the_controller_running(tmp_path, nats_server):
+    """Only a sha256 prefix can be a lease's id. A megabyte id reached the saved intent of a lease unit, whose save
+    then failed: the controller stopped, and the event came back to every successor (the fuzzer's stale subject)."""
+    cfg = _cfg(tmp_path, nats_server.url)
+
+    async def go():
+        bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name)
+        controller = await _controller(cfg, bus)
+        await _serve_versions(controller, range(0, 2))
+        before = dict(controller.leased)
+        for stray in ("g1", "0F" * 16, "0f" * 17, "x" * ((1 << 20) - 100)):
+            await controller._on_stale(_report(stray))
+            await controller._on_filtered(_report(stray))
+        await bus.close()
+        return before, dict(controller.leased), controller.releases, controller.broken
+
+    before, after, releases, broken = asyncio.run(go())
+    assert (after, releases, broken) == (before, 0, None)
 
 
 def test_saving_leases_while_stale_groups_leave_them_keeps_the_bucket_equal_to_what_was_saved(nats_server):
