@@ -50,7 +50,7 @@ up: setup
 # most share the machine (every wait is on a deadline, none on a timing).
 test: setup $(VERIFIERS_STAMP) gym-venv
 	tests/with_system_tools.sh sh -c '$(VENV)/bin/pytest -m "not gpu" -q -n 2 tests/unit $(ARGS) && \
-		$(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --durations=30 --ignore=tests/unit $(ARGS)'
+		$(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --durations=0 --durations-min=5 --ignore=tests/unit $(ARGS)'
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.
 # Installs the wheels carried in wheels/gpu first, if any; ARGS go to tests/gpu/run.py (--only, --timeout).
