@@ -1,0 +1,90 @@
+"""`flywheel collect` and `flywheel eval` on a program agent environment (tests/fixtures/agents/copy_agent.py, the
+real `openai` SDK), its episodes run against rollout's endpoint as training runs them. The oracles are outside the
+code under test: the agent's own scoring rule (sum(ord(c)) % 97 of its last answer, `--reward checksum`) applied
+again to what the rollout line says the model answered, NeMo Gym's own model and aggregation of rollouts.jsonl
+(.venv-gym), and for eval the agent's own log of the replies the endpoint sent it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gym_schema import nemo_gym_reads
+
+from services.common.data.from_gym import read_rollouts
+from services.common.jsonl import read_rows
+
+AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "copy_agent.py"
+PROMPTS, N = 2, 2
+
+
+def _config(tmp_path: Path, *agent_args: str) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"copy {d}"}], "metadata": {"ground_truth": str(d)}}
+            for d in range(PROMPTS)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    agent = {"type": "program", "command": [sys.executable, str(AGENT), "--reward", "checksum", *agent_args]}
+    config = tmp_path / "agent.yaml"
+    config.write_text(json.dumps({
+        "policy": {"model_name": "tiny", "max_total_sequence_length": 256,
+                   "generation": {"backend": "hf", "max_new_tokens": 8, "tool_parser": "hermes"}},
+        "data": {"validation": {"data_path": str(tmp_path / "rows.jsonl"), "env_name": "agent"}},
+        "environments": [{"name": "agent", "kind": "agent", "dataset": str(tmp_path / "rows.jsonl"),
+                          "timeout_s": 60, "agent": agent}]}))
+    return config
+
+
+def _flywheel(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _checksum(text: str) -> float:
+    return float(sum(map(ord, text)) % 97)
+
+
+def _last_answer(output: list[dict]) -> str:
+    """The text of the episode's last model reply: the output items after the last tool result or user turn."""
+    last = max((i for i, item in enumerate(output) if item["type"] == "function_call_output"
+                or item.get("role") == "user"), default=-1)
+    return "".join(part["text"] for item in output[last + 1:] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def test_collect_on_a_program_agent_writes_its_recorded_episodes_with_the_agents_rewards(tmp_path):
+    """The agent calls its own lookup tool first, then asks the model twice: each line's output is that whole
+    conversation as Responses items, and its reward and metric are what the agent scores the last reply."""
+    out = tmp_path / "rollouts.jsonl"
+    _flywheel("collect", "--config", str(_config(tmp_path, "--lookup", "--calls", "2")), "--n", str(N),
+              "--out", str(out), "--run-dir", str(tmp_path / "run"))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == PROMPTS * N and {line["env_name"] for line in lines} == {"agent"}
+    assert nemo_gym_reads(out) == (PROMPTS * N, pytest.approx(sum(line["reward"] for line in lines) / len(lines)))
+    rollouts, drops = read_rollouts(out)
+    assert drops == [] and len(rollouts) == PROMPTS * N
+    for line in lines:
+        output = line["response"]["output"]
+        call, result = output[:2]
+        assert call["type"] == "function_call" and call["name"] == "lookup"
+        assert result == {"type": "function_call_output", "call_id": call["call_id"],
+                          "output": f"answer with {line['_ng_task_index']}"}
+        assert output[2]["type"] == "message" and output[2]["role"] == "assistant"
+        assert {"type": "message", "role": "user", "content": "again"} in output[3:]
+        answer = _last_answer(output)
+        assert line["reward"] == _checksum(answer) and line["answer_chars"] == len(answer), line
+    assert len({line["reward"] for line in lines}) > 1  # the rewards are the episodes' own, not one constant
+
+
+def test_eval_on_a_program_agent_reports_the_mean_of_the_rewards_the_agent_gave(tmp_path):
+    record = tmp_path / "calls.jsonl"
+    run_dir = tmp_path / "run"
+    _flywheel("eval", "--config", str(_config(tmp_path, "--record", str(record))), "--n", str(N),
+              "--run-dir", str(run_dir))
+    replies = [row["text"] or "" for row in read_rows(record)]  # one call an episode
+    metrics = json.loads((run_dir / "eval.json").read_text())
+    assert len(replies) == PROMPTS * N and metrics["validation/num_prompts"] == PROMPTS
+    assert metrics["validation/accuracy"] == pytest.approx(sum(map(_checksum, replies)) / len(replies))
+    assert metrics["validation/avg_length"] == pytest.approx(
+        sum(len(row["tokens"]) for row in read_rows(record)) / len(replies))
