@@ -68,12 +68,14 @@ async def scored(cfg: FlywheelConfig, prompts):
     rollout = channel(cfg.addresses.rollout, security=cfg.security)
     registry = Registry(cfg)
     try:
-        named = {p.env_name for p in prompts}
-        for spec in cfg.environments:  # what the prompts name (an agent environment runs only so), else all of them
-            if spec.name in named or not prompts:
+        if not prompts:  # the environment service generates them, once the environments are registered there
+            for spec in cfg.environments:
                 await registry.submit(spec_from_config(spec))
-        if not prompts:  # the environment service generates them, now that the environments are registered there
             prompts = await generated_prompts(cfg, registry)
+        named = {p.env_name for p in prompts}
+        for spec in cfg.environments:  # an environment named only in the config (an agent's) is known by name then
+            if spec.name in named and spec.name not in registry.entries:
+                await registry.register(spec_from_config(spec))
         validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(rollout),
                               n=cfg.grpo.val_num_generations_per_prompt)
         return (prompts, *await validator.run())
