@@ -12,6 +12,11 @@ still counts in the group's baseline. GRPO normalizes over the group's completio
 weighs k times in the baseline; with agents that keep to one conversation (the endpoint then records one
 sample per episode) the group is G completions, exactly as the built-in loop's.
 
+Generate (validation, `flywheel eval`, `flywheel collect`) runs the same episodes (`episodes`) and answers one
+completion per episode instead (`episode_completion`): its longest sample, the conversation its last chat call
+recorded after the prompt, its agent's reward, named rewards and metrics. A failed episode fails the Generate
+call there: nothing hands it back.
+
 Failures: an episode whose agent failed (deadline, crash, malformed reward) or a group with no model call at
 all raises AgentFailed; the worker hands the group back, so its prompt runs again, and poisons it at
 rollout.max_group_failures deliveries (an agent that always fails on it: the controller leases a new prompt). Each
