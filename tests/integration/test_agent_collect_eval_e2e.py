@@ -1,8 +1,9 @@
-"""`flywheel collect` and `flywheel eval` on a program agent environment (tests/fixtures/agents/copy_agent.py, the
-real `openai` SDK), its episodes run against rollout's endpoint as training runs them. The oracles are outside the
-code under test: the agent's own scoring rule (sum(ord(c)) % 97 of its last answer, `--reward checksum`) applied
-again to what the rollout line says the model answered, NeMo Gym's own model and aggregation of rollouts.jsonl
-(.venv-gym), and for eval the agent's own log of the replies the endpoint sent it."""
+"""`flywheel collect`, `flywheel eval` and a training run's validation on a program agent environment
+(tests/fixtures/agents/copy_agent.py, the real `openai` SDK), its episodes run against rollout's endpoint as
+training runs them. The oracles are outside the code under test: the agent's own scoring rule (sum(ord(c)) % 97
+of its last answer, `--reward checksum`) applied again to what the rollout line says the model answered, NeMo
+Gym's own model and aggregation of rollouts.jsonl (.venv-gym), and for eval and validation the agent's own log
+of the replies the endpoint sent it."""
 
 from __future__ import annotations
 
@@ -14,25 +15,33 @@ from pathlib import Path
 import pytest
 from gym_schema import nemo_gym_reads
 
+from services.common.config import load_config
 from services.common.data.from_gym import read_rollouts
 from services.common.jsonl import read_rows
+from services.local import LocalStack
 
 AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "copy_agent.py"
 PROMPTS, N = 2, 2
 
 
-def _config(tmp_path: Path, *agent_args: str) -> Path:
+def _rows(path: Path, digits) -> Path:
     rows = [{"messages": [{"role": "user", "content": f"copy {d}"}], "metadata": {"ground_truth": str(d)}}
-            for d in range(PROMPTS)]
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for d in digits]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(tmp_path: Path, *agent_args: str, **extra) -> Path:
+    """The agent environment trains on copy 0..PROMPTS-1 and validates on copy 7.. (its prompts tell them apart)."""
+    train, validation = _rows(tmp_path / "rows.jsonl", range(PROMPTS)), _rows(tmp_path / "val.jsonl", range(7, 7 + PROMPTS))
     agent = {"type": "program", "command": [sys.executable, str(AGENT), "--reward", "checksum", *agent_args]}
     config = tmp_path / "agent.yaml"
     config.write_text(json.dumps({
         "policy": {"model_name": "tiny", "max_total_sequence_length": 256,
                    "generation": {"backend": "hf", "max_new_tokens": 8, "tool_parser": "hermes"}},
-        "data": {"validation": {"data_path": str(tmp_path / "rows.jsonl"), "env_name": "agent"}},
-        "environments": [{"name": "agent", "kind": "agent", "dataset": str(tmp_path / "rows.jsonl"),
-                          "timeout_s": 60, "agent": agent}]}))
+        "data": {"validation": {"data_path": str(validation), "env_name": "agent"}},
+        "environments": [{"name": "agent", "kind": "agent", "dataset": str(train), "timeout_s": 60, "agent": agent}],
+        **extra}))
     return config
 
 
@@ -69,7 +78,7 @@ def test_collect_on_a_program_agent_writes_its_recorded_episodes_with_the_agents
         call, result = output[:2]
         assert call["type"] == "function_call" and call["name"] == "lookup"
         assert result == {"type": "function_call_output", "call_id": call["call_id"],
-                          "output": f"answer with {line['_ng_task_index']}"}
+                          "output": f"answer with {7 + line['_ng_task_index']}"}
         assert output[2]["type"] == "message" and output[2]["role"] == "assistant"
         assert {"type": "message", "role": "user", "content": "again"} in output[3:]
         answer = _last_answer(output)
@@ -88,3 +97,26 @@ def test_eval_on_a_program_agent_reports_the_mean_of_the_rewards_the_agent_gave(
     assert metrics["validation/accuracy"] == pytest.approx(sum(map(_checksum, replies)) / len(replies))
     assert metrics["validation/avg_length"] == pytest.approx(
         sum(len(row["tokens"]) for row in read_rows(record)) / len(replies))
+
+
+def test_a_training_runs_validation_on_a_program_agent_reports_the_rewards_the_agent_gave(tmp_path):
+    """Validation at start (version 0) and after the one step (version 1), each on the validation prompts' agent
+    episodes; validations run one at a time, so the first PROMPTS x N validation calls in the agent's log are
+    version 0's."""
+    record = tmp_path / "calls.jsonl"
+    grpo = {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": N, "max_num_steps": 1, "val_period": 1,
+            "val_at_start": True, "val_num_generations_per_prompt": N}
+    cfg = load_config(_config(tmp_path, "--record", str(record), grpo=grpo, checkpointing={"enabled": False}))
+    with LocalStack(cfg, tmp_path / "run") as stack:
+        stack.start_services()
+        written = Path(stack.cfg.run.run_dir) / "validation.jsonl"  # the controller's record of each validation
+        stack.wait_for(lambda _: written.exists() and len(written.read_text().splitlines()) >= 2, "2 validations",
+                       timeout_s=120)
+    validations = list(read_rows(written))
+    calls = [row for row in read_rows(record) if row["task"] != "copy 0" and row["task"] != "copy 1"]
+    assert {row["task"] for row in calls} == {"copy 7", "copy 8"} and len(calls) >= 2 * PROMPTS * N
+    for i, metrics in enumerate(validations[:2]):
+        mine = calls[i * PROMPTS * N:(i + 1) * PROMPTS * N]
+        assert metrics["validation/policy_version"] == i and metrics["validation/num_prompts"] == PROMPTS
+        assert metrics["validation/accuracy"] == pytest.approx(sum(_checksum(r["text"] or "") for r in mine) / len(mine))
+        assert metrics["validation/avg_length"] == pytest.approx(sum(len(r["tokens"]) for r in mine) / len(mine))
