@@ -31,8 +31,8 @@ def rollout_lines(prompts, results, model: str) -> list[dict]:
         tools = tools_to_dicts(prompt.tools) or None
         for i, c in enumerate(result.completions):
             lines.append(gym_rollout(prompt=messages, tools=tools, episode=[message_to_dict(m) for m in c.messages],
-                                     reward=c.reward, metrics={**c.named_rewards, **c.metrics}, env_name=prompt.env_name,
-                                     model=model, task_index=task, rollout_index=i))
+                                     reward=c.reward, metrics={**c.named_rewards, **c.metrics},
+                                     env_name=prompt.env_name, model=model, task_index=task, rollout_index=i))
     return lines
 
 

@@ -103,7 +103,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     raise InvalidArgument(f"environment {request.env_name[:64]!r}: {err.details()}") from None
                 raise Unavailable(f"environment service at {w.cfg.addresses.environment}: {err.code().name} "
                                   f"{err.details()}") from None
-            except AgentFailed as err:  # no hand-back here: the caller sees the failure (eval fails, validation logs it)
+            except AgentFailed as err:  # nothing hands it back: eval and collect fail, a validation is logged
                 raise FailedPrecondition(f"environment {request.env_name[:64]!r}: an agent episode failed: {err}"
                                          ) from None
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats,

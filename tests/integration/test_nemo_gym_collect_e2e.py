@@ -56,8 +56,8 @@ def test_collect_on_nemo_rls_nemo_gym_config_writes_episodes_that_nemo_gyms_veri
     assert len(lines) == PROMPTS * N and {line["env_name"] for line in lines} == {"nemo_gym"}
     assert nemo_gym_reads(out) == (PROMPTS * N, pytest.approx(sum(line["reward"] for line in lines) / len(lines)))
     assert all(line["response"]["output"] for line in lines)  # the recorded episode, not an empty one
-    verify = subprocess.run([str(VENV / "bin" / "python"), "-c", VERIFY, str(SERVER), str(SERVER / "data/example.jsonl"),
-                             str(out)], capture_output=True, text=True, timeout=120)
+    verify = subprocess.run([str(VENV / "bin" / "python"), "-c", VERIFY, str(SERVER),
+                             str(SERVER / "data/example.jsonl"), str(out)], capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stderr[-3000:]
     for line, verified in zip(lines, map(json.loads, verify.stdout.splitlines()), strict=True):
         assert {k: line[k] for k in verified} == verified, line
