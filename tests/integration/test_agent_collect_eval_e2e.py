@@ -46,9 +46,11 @@ def _config(tmp_path: Path, *agent_args: str, **extra) -> Path:
     return config
 
 
-def _flywheel(*args: str) -> None:
+def _flywheel(*args: str, ok: bool = True) -> str:
+    """Runs the CLI; its stderr. `ok`: it must succeed (else: fail)."""
     proc = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
+    return proc.stderr
 
 
 def _checksum(text: str) -> float:
@@ -98,6 +100,14 @@ def test_eval_on_a_program_agent_reports_the_mean_of_the_rewards_the_agent_gave(
     assert metrics["validation/accuracy"] == pytest.approx(sum(map(_checksum, replies)) / len(replies))
     assert metrics["validation/avg_length"] == pytest.approx(
         sum(len(row["tokens"]) for row in read_rows(record)) / len(replies))
+
+
+def test_eval_stops_with_the_agents_error_when_an_episode_crashes(tmp_path):
+    """Nothing hands a Generate call back, so a crashed episode is the eval's error, named, not a score of 0."""
+    stderr = _flywheel("eval", "--config", str(_config(tmp_path, "--fault", "crash")), "--n", str(N),
+                       "--run-dir", str(tmp_path / "run"), ok=False)
+    assert "an agent episode failed: crash" in stderr, stderr[-3000:]
+    assert not (tmp_path / "run" / "eval.json").exists()
 
 
 def test_a_training_runs_validation_on_a_program_agent_reports_the_rewards_the_agent_gave(tmp_path):
