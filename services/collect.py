@@ -2,12 +2,14 @@
 
     the prompts `flywheel eval` takes (data.validation, --data, or what the config's environments generate)
         ──▶ environment + rollout services, policy.model_name = --model (evaluate.py: the same services and code)
-        ──▶ rollout's Generate: n episodes a prompt, the environment's episode loop, scored by the environment
+        ──▶ rollout's Generate: n episodes a prompt, as training runs them, scored by the environment
         ──▶ to_gym.gym_rollout: one NeMo Gym rollout a line ──▶ --out (prompts × n lines)
 
-Sampling is each prompt's (its environment's, else policy.generation's), as validation samples. Environments of
-kind agent (NeMo Gym, verifiers, programs: services/rollout/agent_groups.py) run their episodes through rollout's
-OpenAI endpoint, not through Generate, so collect does not collect them: their prompts fail in Generate.
+Sampling is each prompt's (its environment's, else policy.generation's), as validation samples. An environment
+of kind agent (NeMo Gym, verifiers, programs) runs each episode's agent against rollout's OpenAI endpoint, as
+in training (services/rollout/agent_groups.py): the line's output is the conversation the endpoint recorded,
+its reward the agent environment's, and its named rewards and metrics (NeMo Gym's extra verify fields) extra
+top-level keys. The agent, not the prompt, chooses an agent episode's sampling.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def rollout_lines(prompts, results, model: str) -> list[dict]:
         tools = tools_to_dicts(prompt.tools) or None
         for i, c in enumerate(result.completions):
             lines.append(gym_rollout(prompt=messages, tools=tools, episode=[message_to_dict(m) for m in c.messages],
-                                     reward=c.reward, metrics=dict(c.named_rewards), env_name=prompt.env_name,
-                                     model=model, task_index=task, rollout_index=i))
+                                     reward=c.reward, metrics={**c.named_rewards, **c.metrics},
+                                     env_name=prompt.env_name, model=model, task_index=task, rollout_index=i))
     return lines
 
 

@@ -72,6 +72,10 @@ async def scored(cfg: FlywheelConfig, prompts):
             for spec in cfg.environments:
                 await registry.submit(spec_from_config(spec))
             prompts = await generated_prompts(cfg, registry)
+        named = {p.env_name for p in prompts}
+        for spec in cfg.environments:  # an environment named only in the config (an agent's) is known by name then
+            if spec.name in named and spec.name not in registry.entries:
+                await registry.register(spec_from_config(spec))
         validator = Validator(prompts, rollout_pb2_grpc.RolloutServiceStub(rollout),
                               n=cfg.grpo.val_num_generations_per_prompt)
         return (prompts, *await validator.run())

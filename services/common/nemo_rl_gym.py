@@ -3,7 +3,8 @@
     env.should_use_nemo_gym + env.nemo_gym ──▶ environments += {name: data's env_name, kind: agent,
                                                  agent: nemo_rl_agent_spec(env.nemo_gym), dataset: data.train's}
     data.train (NemoGymDataset)             ──▶ that environment's dataset: NeMo Gym rows (rows.gym_row)
-    data.validation (NemoGymDataset)        ──▶ refused: validation goes through Generate, which runs no agent
+    data.validation (NemoGymDataset)        ──▶ data.validation: {data_path, env_name: that environment}, whose
+                                                 prompts rollout's Generate runs through the agent, as training
 
 NeMo RL opens a NemoGymDataset's data_path relative to its checkout, where `3rdparty/Gym-workspace/Gym` is
 NeMo Gym's source tree; Flywheel's NeMo Gym is the `nemo-gym` package in its own venv, whose site-packages
@@ -62,13 +63,11 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
                                                       "(vllm_model_for_training first)"))
         return
     if gym.get("is_trajectory_collection"):
-        problems.append(("env.nemo_gym.is_trajectory_collection", "Flywheel cannot honour True: collecting "
-                         "NeMo Gym rollouts without training is not built for agent environments"))
+        problems.append(("env.nemo_gym.is_trajectory_collection", "Flywheel cannot honour True: to collect "
+                         "NeMo Gym rollouts without training, run `flywheel collect` with this config"))
     data = tree.setdefault("data", {})
     train = _take_gym_sets(data, "train", problems)
-    for key, _ in _take_gym_sets(data, "validation", problems):
-        problems.append((key, "Flywheel cannot honour a NemoGymDataset: validation runs through rollout's "
-                              "Generate, which runs no agent (docs/agents.md); set data.validation=null"))
+    validation = _take_gym_sets(data, "validation", problems)
     if isinstance(data.get("default"), dict) and data["default"].get("dataset_name") == GYM_DATASET:
         del data["default"]
     if len(train) != 1:
@@ -83,9 +82,27 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
     spec = {"name": name, "kind": "agent", "dataset": resolve_gym_path(entry["data_path"]),
             "agent": nemo_rl_agent_spec(gym)}
     tree["environments"] = [*(tree.get("environments") or []), spec]
+    _validate_on(data, name, validation, problems, notes)
     notes.append(("env.nemo_gym", f"read as the agent environment {name!r} (type nemo_gym): ng_run starts its "
                                   "servers from the NeMo Gym venv, its model server pointed at rollout's endpoint"))
     notes.append((key, f"read as environment {name!r}'s dataset: {spec['dataset']}"))
+
+
+def _validate_on(data: dict, name: str, sets: list[tuple[str, dict]], problems: list[Problem],
+                 notes: list[Problem]) -> None:
+    """data.validation's NemoGymDatasets as validation sets of the agent environment `name` (docs/agents.md,
+    "Validation, `flywheel eval` and `flywheel collect`"), after the sets of other kinds kept there."""
+    kept = data.get("validation")
+    sets_out = kept if isinstance(kept, list) else [] if kept is None else [kept]
+    for key, entry in sets:
+        if entry.get("env_name", name) != name or not isinstance(entry.get("data_path"), str):
+            problems.append((key, f"a NemoGymDataset validates the agent environment {name!r}: give data_path "
+                                  f"and no other env_name"))
+            continue
+        sets_out.append({"data_path": resolve_gym_path(entry["data_path"]), "env_name": name})
+        notes.append((key, f"read as validation prompts of {name!r}: {sets_out[-1]['data_path']}"))
+    if sets:
+        data["validation"] = sets_out[0] if len(sets_out) == 1 else sets_out
 
 
 def _take_gym_sets(data: dict, key: str, problems: list[Problem]) -> list[tuple[str, dict]]:

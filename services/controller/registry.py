@@ -100,6 +100,12 @@ class Registry:
         finally:
             self._pending.discard(spec.name)
 
+    async def register(self, spec: controller_pb2.EnvironmentSpec) -> None:
+        """Makes `spec` known to the environment service without adding it to the mix (no dataset read, nothing
+        leased from it): eval and collect score prompts of their own with it."""
+        validate(spec)
+        await self._register(spec)
+
     async def _add(self, spec: controller_pb2.EnvironmentSpec, data: EpochCursor | None) -> Entry:
         await self._register(spec)
         try:

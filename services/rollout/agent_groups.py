@@ -12,6 +12,11 @@ still counts in the group's baseline. GRPO normalizes over the group's completio
 weighs k times in the baseline; with agents that keep to one conversation (the endpoint then records one
 sample per episode) the group is G completions, exactly as the built-in loop's.
 
+Generate (validation, `flywheel eval`, `flywheel collect`) runs the same episodes (`episodes`) and answers one
+completion per episode instead (`episode_completion`): its longest sample, the conversation its last chat call
+recorded after the prompt, its agent's reward, named rewards and metrics. A failed episode fails the Generate
+call there: nothing hands it back.
+
 Failures: an episode whose agent failed (deadline, crash, malformed reward) or a group with no model call at
 all raises AgentFailed; the worker hands the group back, so its prompt runs again, and poisons it at
 rollout.max_group_failures deliveries (an agent that always fails on it: the controller leases a new prompt). Each
@@ -29,6 +34,7 @@ import time
 from google.protobuf import json_format
 from prometheus_client import Counter
 
+from services.common.messages import message_from_dict
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.common.structs import from_struct
 from services.rollout.endpoint.trajectory import Sample, Trajectory, group_rows
@@ -70,9 +76,19 @@ class AgentGroups:
     async def run(self, group: types_pb2.PromptGroup, endpoint, version: int, worker_id: str
                   ) -> types_pb2.TrajectoryGroup:
         """Runs the group's G episodes at once on `endpoint` (the worker's EndpointServer)."""
+        t0 = time.perf_counter()
+        trajectories, results = await self.episodes(group, endpoint)
+        out = build_group(group, trajectories, results, version)
+        SAMPLES.labels(group.env_name).inc(len(out.completions))
+        out.worker_id, out.generation_seconds = worker_id, time.perf_counter() - t0
+        return out
+
+    async def episodes(self, group: types_pb2.PromptGroup, endpoint
+                       ) -> tuple[list[Trajectory], list[environment_pb2.RunAgentResponse]]:
+        """The group's G episodes, run at once on `endpoint`: what each recorded and what its agent answered.
+        Training (`run`) and Generate (eval, collect, validation: episode_completion) both run them here."""
         if endpoint is None:
             raise AgentFailed("no_endpoint", "this worker serves no endpoint (policy.generation.endpoint.enabled)")
-        t0 = time.perf_counter()
         task = task_json(group)
         try:
             async with asyncio.TaskGroup() as tasks:  # one episode failing cancels the others (agents stop)
@@ -84,10 +100,15 @@ class AgentGroups:
                 FAILED_GROUPS.labels(group.env_name, first.reason).inc()
             raise first from None
         trajectories, results = zip(*(e.result() for e in episodes))
-        out = build_group(group, list(trajectories), list(results), version)
-        SAMPLES.labels(group.env_name).inc(len(out.completions))
-        out.worker_id, out.generation_seconds = worker_id, time.perf_counter() - t0
-        return out
+        return list(trajectories), list(results)
+
+    async def completions(self, group: types_pb2.PromptGroup, endpoint, version: int, decode
+                          ) -> list[types_pb2.Completion]:
+        """Generate's answer for an agent environment: the group's episodes, one completion each
+        (episode_completion), run exactly as training runs them."""
+        trajectories, results = await self.episodes(group, endpoint)
+        return [episode_completion(t, r, scale=group.reward_scale or 1.0, version=version, decode=decode)
+                for t, r in zip(trajectories, results, strict=True)]
 
     async def _episode(self, group: types_pb2.PromptGroup, endpoint, index: int, task: str
                        ) -> tuple[Trajectory, environment_pb2.RunAgentResponse]:
@@ -103,6 +124,32 @@ class AgentGroups:
         if result.error:  # the group is dropped: its other agents are stopped now rather than waited for
             raise AgentFailed(result.error_reason, result.error)
         return trajectory, result
+
+
+def episode_completion(trajectory: Trajectory, result: environment_pb2.RunAgentResponse, *, scale: float,
+                       version: int, decode) -> types_pb2.Completion:
+    """One episode as Generate answers it (eval, collect, validation): its longest sample's tokens after that
+    sample's first prompt and the text `decode` makes of them, the recorded conversation after its prompt, and
+    its agent's reward and named rewards (times `scale`, as build_group) and metrics. Pure but for `decode`."""
+    sample = max(trajectory.samples, key=lambda s: len(s.token_ids), default=Sample())
+    _, (row,) = group_rows([sample])
+    if row["version_start"] < 0:  # no model call: the version loaded now, as build_group does
+        row["version_start"] = row["version_end"] = version
+    text = decode(row["token_ids"])
+    return types_pb2.Completion(
+        **row, reward=result.reward * scale, named_rewards={k: v * scale for k, v in result.named_rewards.items()},
+        metrics=dict(result.metrics), text=text, turns=trajectory.calls,
+        messages=[message_from_dict(m) for m in episode_messages(trajectory.conversation, text)])
+
+
+def episode_messages(conversation: list[dict], text: str) -> list[dict]:
+    """What the episode's calls added to its prompt: the recorded conversation from its first assistant message on
+    (assistant turns with their tool calls, tool results, the agent's own turns between); an episode of Completions
+    calls only, which leave no conversation, its decoded text as one assistant message."""
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), None)
+    if first is not None:
+        return conversation[first:]
+    return [{"role": "assistant", "content": text}] if text else []
 
 
 def task_json(group: types_pb2.PromptGroup) -> str:

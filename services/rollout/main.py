@@ -46,7 +46,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.bus import Bus
 from services.common.config import FlywheelConfig
-from services.common.errors import InvalidArgument, Unavailable, require
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, require
 from services.common.logs import RateLimitedLog
 from services.common.messages import message_to_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import (environment_pb2_grpc, rollout_pb2, rollout_pb2_grpc, types_pb2)
@@ -74,7 +74,8 @@ MAX_HAND_BACK_S = 10.0
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate for validation and evaluation: the loaded weights; with an environment, the training's episode loop."""
+    """Generate for validation and evaluation: the loaded weights; with an environment, its episodes as training
+    runs them (the episode loop, or an agent environment's agents on the endpoint)."""
 
     def __init__(self, worker: RolloutWorker) -> None:
         self.worker = worker
@@ -96,13 +97,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 tools=request.tools, metadata=request.metadata, num_generations=request.n, max_turns=request.max_turns,
                 sampling=request.sampling)
             try:
-                episodes = await w.runner.run(group, w.worker_id, with_messages=True)
-            except grpc.aio.AioRpcError as err:  # the environment service's answer to its Step
+                return rollout_pb2.GenerateResponse(completions=await w.generated(group))
+            except grpc.aio.AioRpcError as err:  # the environment service's answer to its Step or RunAgent
                 if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                     raise InvalidArgument(f"environment {request.env_name[:64]!r}: {err.details()}") from None
                 raise Unavailable(f"environment service at {w.cfg.addresses.environment}: {err.code().name} "
                                   f"{err.details()}") from None
-            return rollout_pb2.GenerateResponse(completions=episodes.completions)
+            except AgentFailed as err:  # nothing hands it back: eval and collect fail, a validation is logged
+                raise FailedPrecondition(f"environment {request.env_name[:64]!r}: an agent episode failed: {err}"
+                                         ) from None
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats,
         # work queue and health checks must not wait for it.
         ids = await asyncio.to_thread(prompt_token_ids, w.engine.tokenizer, [message_to_dict(m) for m in request.messages],
@@ -329,6 +332,16 @@ class RolloutWorker:
         finally:
             keepalive.cancel()
             self.in_flight -= 1
+
+    async def generated(self, group: types_pb2.PromptGroup) -> list[types_pb2.Completion]:
+        """Generate's episodes of `group`, each with its messages: an agent environment's run on the endpoint as
+        training runs them (agent_groups.py), any other through the episode loop."""
+        if self.endpoint is not None and await self.agents.is_agent(group.env_name):
+            return await self.agents.completions(group, self.endpoint, self.version, self._decode)
+        return list((await self.runner.run(group, self.worker_id, with_messages=True)).completions)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def _run_group(self, group: types_pb2.PromptGroup, slot: Slot) -> types_pb2.TrajectoryGroup:
         """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop.

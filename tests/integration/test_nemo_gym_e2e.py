@@ -1,4 +1,4 @@
-"""NeMo RL's `gdpo_example_tool_call_multireward.yaml` trains through `flywheel up` with its two documented edits
+"""NeMo RL's `gdpo_example_tool_call_multireward.yaml` trains through `flywheel up` with its documented edit
 (docs/nemo_rl_mapping.md) and the CPU overrides below: `env.nemo_gym` becomes a `nemo_gym` agent environment, whose
 ng_run (NeMo Gym's own servers from `.venv-gym`) runs each episode against the rollout worker's endpoint, and
 `data.train`'s NemoGymDataset, read from the nemo-gym package, is its dataset. The trainer steps with GDPO on the
@@ -33,7 +33,7 @@ from services.local import LocalStack
 pytestmark = pytest.mark.slow
 require((gym_venv() / "bin" / "ng_run").exists(), "no .venv-gym: run `make gym-venv`")
 NEMO_RL = Path(__file__).parents[1] / "fixtures/nemo_rl/examples/nemo_gym/gdpo_example_tool_call_multireward.yaml"
-EDITS = ["policy.generation.colocated.enabled=false", "data.validation=null"]
+EDITS = ["policy.generation.colocated.enabled=false"]
 STEPS = 2
 # CPU and size: the tiny model on the hf engine with FSDP2 (Megatron's forward needs CUDA), short answers, a few
 # groups, no checkpoints or W&B. nemotron_json is NeMo RL's plugin parser for Nemotron, not one of vLLM's.
@@ -43,7 +43,8 @@ CPU = ["policy.model_name=tiny", "policy.precision=float32", "policy.megatron_cf
        "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser=null",
        "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", f"grpo.max_num_steps={STEPS}",
-       "checkpointing.enabled=false", "logger.wandb_enabled=false"]
+       "checkpointing.enabled=false", "logger.wandb_enabled=false",
+       "data.validation=null"]  # validation on NeMo Gym is test_nemo_gym_collect_e2e.py's (the same Generate path)
 RESOURCES = "example_tool_call_multireward"
 
 

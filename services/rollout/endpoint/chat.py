@@ -43,7 +43,7 @@ class Chat:
             replies.append((content, calls))
             turns.append(Turn(history=history, reply=reply_key(content, calls),
                               token_ids=prompt + out.token_ids))
-        self.generator.record(episode, result, turns)
+        self.generator.record(episode, result, turns, conversation=messages + template_messages_of(*replies[0]))
         return self.completion(req, result, replies), result
 
     def prompt_ids(self, episode: Episode, messages: list[dict], tools, kwargs: dict) -> list[int]:

@@ -97,11 +97,12 @@ class Generator:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
 
-    def record(self, episode: Episode, result: Result, turns: list[Turn] = ()) -> None:
+    def record(self, episode: Episode, result: Result, turns: list[Turn] = (),
+               conversation: list[dict] | None = None) -> None:
         choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated,
                           versions=list(o.versions) or [self.engine.version] * len(o.token_ids))
                    for o in result.outs]
-        episode.recording.record(Call(prompt_ids=result.prompt_ids, choices=choices), list(turns))
+        episode.recording.record(Call(prompt_ids=result.prompt_ids, choices=choices), list(turns), conversation)
 
 
 def check_stop_strings(tokenizer, stop_strings: list[str]) -> None:

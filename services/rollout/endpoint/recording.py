@@ -33,12 +33,15 @@ class Recording:
         self.builder = TrajectoryBuilder()
         self.turns: list[Turn] = []
 
-    def record(self, call: Call, turns: list[Turn] = ()) -> bool:
-        """Add a finished call; False (and counted) when it started a sample although samples existed."""
+    def record(self, call: Call, turns: list[Turn] = (), conversation: list[dict] | None = None) -> bool:
+        """Add a finished call; False (and counted) when it started a sample although samples existed.
+        `conversation`: a chat call's messages and reply, which then stand for the episode (Trajectory)."""
         extends = self.builder.add(call)
         if not extends:
             NEW_SAMPLES.inc()
         self.turns += turns
+        if conversation is not None:
+            self.builder.trajectory.conversation = conversation
         return extends
 
     def continued(self, history: str, reply: str) -> list[int] | None:

@@ -96,6 +96,9 @@ class Trajectory:
     calls: int = 0
     new_samples: int = 0
     """Calls that extended no recorded sample although one existed (each started a sample)."""
+    conversation: list[dict] = field(default_factory=list)
+    """The latest chat call's messages and its first choice's reply, as the chat template took them (tool-call
+    arguments as objects); empty when the episode made no chat call. Eval and collect show the episode by it."""
 
 
 class TrajectoryBuilder:

@@ -1,5 +1,5 @@
-"""NeMo RL's NeMo Gym yaml through the config mapping (services/common/nemo_rl_gym.py): the two documented edits are
-all it needs and each is needed, and its keys land where docs/nemo_rl_mapping.md ("NeMo RL's NeMo Gym configs")
+"""NeMo RL's NeMo Gym yaml through the config mapping (services/common/nemo_rl_gym.py): the one documented edit is
+all it needs and is needed, and its keys land where docs/nemo_rl_mapping.md ("NeMo RL's NeMo Gym configs")
 says. The e2e run of the same yaml is tests/integration/test_nemo_gym_e2e.py."""
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from services.common.nemo_rl_gym import GYM_CHECKOUT, resolve_gym_path
 
 ROOT = Path(__file__).resolve().parents[3]
 GDPO = ROOT / "tests/fixtures/nemo_rl/examples/nemo_gym/gdpo_example_tool_call_multireward.yaml"
-EDITS = ["policy.generation.colocated.enabled=false", "data.validation=null"]
+EDITS = ["policy.generation.colocated.enabled=false"]
 DATA = "resources_servers/example_tool_call_multireward/data/example.jsonl"
 
 
@@ -24,7 +24,8 @@ def test_the_gdpo_nemo_gym_yaml_is_one_nemo_gym_agent_environment_with_its_datas
                                          "example_tool_call_multireward.yaml"]
     assert env.agent["overrides"]["port_range_low"] == 5000 and "is_trajectory_collection" not in env.agent["overrides"]
     assert env.dataset == resolve_gym_path(GYM_CHECKOUT + DATA)
-    assert cfg.data.train is None and cfg.data.validation is None and cfg.data.default is None
+    assert cfg.data.train is None and cfg.data.default is None
+    assert (cfg.data.validation.env_name, cfg.data.validation.data_path) == ("nemo_gym", env.dataset)  # the same file
     assert cfg.policy.generation.endpoint.enabled  # expose_http_server
     assert cfg.policy.generation.tool_parser == "nemotron_json"  # http_server_serving_chat_kwargs.tool_parser
     assert cfg.grpo.adv_estimator.name == "gdpo"
@@ -37,7 +38,12 @@ def test_each_edit_is_needed_and_its_key_is_named(edit):
         load_config(GDPO, [e for e in EDITS if e != edit])
 
 
-def test_the_doc_lists_the_two_edits():
+def test_a_nemo_gym_validation_set_of_another_environment_is_refused():
+    with pytest.raises(ConfigError, match=r"data\.validation"):
+        load_config(GDPO, [*EDITS, "data.validation.env_name=other"])
+
+
+def test_the_doc_lists_the_edit():
     doc = (ROOT / "docs/nemo_rl_mapping.md").read_text().split("### NeMo RL's NeMo Gym configs", 1)[1]
     assert all(f"`{e}`" in doc.split("What the mapping does", 1)[0] for e in EDITS)
 

@@ -112,8 +112,15 @@ class PromptGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., num_generations: _Optional[int] = ..., target_step: _Optional[int] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., leased_at_unix_ns: _Optional[int] = ..., reward_scale: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages", "teacher")
+    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages", "teacher", "metrics")
     class NamedRewardsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +140,7 @@ class Completion(_message.Message):
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_mask: _containers.RepeatedScalarFieldContainer[bool]
     generation_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -146,7 +154,8 @@ class Completion(_message.Message):
     answer: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     teacher: TeacherTopK
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherTopK, _Mapping]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherTopK, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TeacherTopK(_message.Message):
     __slots__ = ("k", "logits", "token_ids")
