@@ -29,14 +29,40 @@ fi
 # A CI container has no bridge and no iptables for dockerd: builds then run on the host's network (the test
 # sets FLYWHEEL_BUILD_NETWORK=host when the engine has no default bridge), containers on the project's own
 # network. The storage driver is dockerd's own choice: overlay2 where the filesystem allows it (measured:
-# docs/deployment.md), else vfs. An engine started here is stopped when the command ends.
-if command -v dockerd > /dev/null && ! docker info > /dev/null 2>&1 && (( EUID == 0 )); then
-  log=$(mktemp /tmp/flywheel-dockerd.XXXXXX.log)
-  dockerd --iptables=false --ip6tables=false --bridge=none > "$log" 2>&1 &
-  dockerd_pid=$!
-  trap 'kill "$dockerd_pid" 2> /dev/null; wait "$dockerd_pid" 2> /dev/null || true' EXIT
-  for _ in $(seq 60); do docker info > /dev/null 2>&1 && break; sleep 1; done
-  docker info --format 'dockerd {{.ServerVersion}}, storage driver {{.Driver}}' || { tail -20 "$log"; exit 1; }
+# docs/deployment.md), else vfs.
+# An engine started here is shared: two suites on one host (two clones' `make test` at once) use one dockerd,
+# each registered under $DOCKERD_SHARE/users, and the last to leave stops it. A lock orders the start, the
+# registrations and the stop, so neither suite starts a second engine or stops the other's.
+DOCKERD_SHARE=/tmp/flywheel-dockerd
+if command -v dockerd > /dev/null && (( EUID == 0 )); then
+  mkdir -p "$DOCKERD_SHARE/users"
+  exec {dockerd_lock}> "$DOCKERD_SHARE/lock"
+  flock "$dockerd_lock"
+  touch "$DOCKERD_SHARE/users/$$"
+  if ! docker info > /dev/null 2>&1; then
+    rm -f "$DOCKERD_SHARE/pid"  # left by a suite that died with the engine
+    log=$(mktemp /tmp/flywheel-dockerd.XXXXXX.log)
+    setsid dockerd --iptables=false --ip6tables=false --bridge=none > "$log" 2>&1 < /dev/null &
+    echo $! > "$DOCKERD_SHARE/pid"
+    for _ in $(seq 60); do docker info > /dev/null 2>&1 && break; sleep 1; done
+    docker info --format 'dockerd {{.ServerVersion}}, storage driver {{.Driver}}' || { tail -20 "$log"; exit 1; }
+  fi
+  flock -u "$dockerd_lock"
+  leave_dockerd() {
+    flock "$dockerd_lock"
+    rm -f "$DOCKERD_SHARE/users/$$"
+    for user in "$DOCKERD_SHARE"/users/*; do  # a suite killed before its trap ran leaves its file behind
+      [ -e "$user" ] && ! kill -0 "${user##*/}" 2> /dev/null && rm -f "$user"
+    done
+    if [ -z "$(ls -A "$DOCKERD_SHARE/users")" ] && [ -f "$DOCKERD_SHARE/pid" ]; then
+      pid=$(cat "$DOCKERD_SHARE/pid")
+      kill "$pid" 2> /dev/null || true
+      for _ in $(seq 30); do kill -0 "$pid" 2> /dev/null || break; sleep 1; done
+      rm -f "$DOCKERD_SHARE/pid"
+    fi
+    flock -u "$dockerd_lock"
+  }
+  trap leave_dockerd EXIT
 fi
 
 "$@"
