@@ -10,6 +10,14 @@ from ports import default_ports, holding
 from services.common.infra import Server, start_nats, start_redis
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first, each group in collection order. `make test`'s system phase hands whole files to two
+    workers in this order (--dist loadfile); with the long files first, the last ones a worker takes are short, and
+    neither waits long at the end for the other (in collection order, the trainer's kill-and-resume and vLLM export
+    files came last)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def default_ports_held():
     """A test that binds or dials a default port fails here, not only when another suite shares the host."""
