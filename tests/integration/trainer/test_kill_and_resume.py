@@ -23,7 +23,8 @@ KILL_AFTER = 7  # steps done; the checkpoint of step 4 (step_5) is the latest, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "backend"), [(1, "hf"), (2, "hf"), (1, "vllm")])
+# One rank and two, each engine once: a one-rank hf run checked nothing these two do not (it was 32 s of CI)
+@pytest.mark.parametrize(("ranks", "backend"), [(2, "hf"), (1, "vllm")])
 def test_trainer_killed_with_sigkill_resumes_at_the_checkpoint_with_the_same_batch_and_loss(tmp_path, ranks, backend):
     """With vllm, the worker must also load the resumed checkpoint's weights, older than the ones it holds."""
     cfg = load_config(None, [f"policy.generation.backend={backend}", f"grpo.max_num_steps={STEPS}", "grpo.async_grpo.max_trajectory_age_steps=1",
