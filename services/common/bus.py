@@ -48,6 +48,9 @@ WORK_DEDUP_WINDOW_S = 3600.0
 """How long the work stream remembers a lease's message id. A restarted controller publishes again the leases
 it had not yet saved (controller/main.py), and JetStream drops them only within this window. NATS's default of
 2 minutes is shorter than a node's reboot; an hour of ids costs the server a few MB at thousands of leases a minute."""
+JS_API = "$JS.API"
+"""JetStream's API prefix (the bus uses no JetStream domain)."""
+HAND_BACK_S = 2.0
 _warn = RateLimitedLog(logging.getLogger("flywheel.bus"))
 
 
@@ -200,6 +203,24 @@ class Bus:
 
         return await self.js.subscribe(subject, durable=durable, stream=self.subjects.stream("events"), cb=handle,
                                        manual_ack=True, config=ConsumerConfig(ack_wait=EVENT_ACK_WAIT_S))
+
+    async def hand_back(self, stream: str, durable: str) -> bool:
+        """Make the messages a consumer has delivered and not yet seen acked deliverable again at once (JetStream's
+        consumer reset: its delivered and ack state start over at the stream's first message; on a work-queue
+        stream the acked ones are gone, so what comes again is exactly what was unacked). For a restarted
+        consumer whose predecessor was killed holding messages: otherwise they wait out the consumer's ack_wait.
+        False when the server does not know the request (nats-server before the reset API): ack_wait then."""
+        try:
+            reply = await self.nc.request(f"{JS_API}.CONSUMER.RESET.{stream}.{durable}", b"", timeout=HAND_BACK_S)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as err:
+            _warn.warning("hand_back", "consumer %s was not reset (%r); its unacked messages wait for ack_wait",
+                          durable, err)
+            return False
+        error = json.loads(reply.data).get("error")
+        if error:
+            _warn.warning("hand_back", "consumer %s was not reset (%s); its unacked messages wait for ack_wait",
+                          durable, error.get("description", error))
+        return not error
 
     async def emit(self, subject: str, msg: Message) -> None:
         """Fire-and-forget core NATS event."""
