@@ -4,7 +4,8 @@ Streams per run (names derive from the run id, so runs share a server safely):
 - WORK: the rollout work queue (work-queue retention: a message is gone once acked;
   unacked messages are redelivered after `ack_wait`, which is how a killed rollout
   worker's groups come back).
-- TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write).
+- TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write; a restarted replay
+  takes back at once what a killed one fetched and did not ack, `hand_back`).
 - STATE: last-value subjects (weight announcements), so a late joiner reads the latest.
 - EVENTS: events that must not be lost while their consumer is down (StaleGroups, replay ->
   controller, for stale and for dynamic-sampling-filtered groups; PoisonedGroup, rollout -> controller):
