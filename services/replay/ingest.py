@@ -96,8 +96,7 @@ class Ingest:
             # A second replay sharing the consumer would see its in-flight groups delivered again: stored once
             # (puts are idempotent), counted as duplicates.
             if await self.bus.hand_back(stream, CONSUMER):
-                log.info("%d groups a previous replay fetched and did not ack are delivered again",
-                         info.num_ack_pending)
+                log.info("groups a previous replay fetched and did not ack, delivered again: %d", info.num_ack_pending)
         return await self.bus.js.pull_subscribe_bind(durable=CONSUMER, stream=stream)
 
     async def run(self, stop: asyncio.Event) -> None:
