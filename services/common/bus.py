@@ -32,7 +32,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from services.common.config import SecurityConfig
 from services.common.logs import RateLimitedLog
@@ -192,7 +192,8 @@ class Bus:
     async def consume(self, subject: str, durable: str, handler: Callable[[Msg], Awaitable[None]]):
         """Durable consumer of an EVENTS subject: `handler(msg)`, then ack. A message whose handler raises, or
         that arrives while nobody consumes, waits in the stream and is delivered again (after EVENT_ACK_WAIT_S);
-        one that does not decode (the handler raises DecodeError) is dropped, since no redelivery can help."""
+        one that does not decode (the handler raises DecodeError) is dropped, since no redelivery can help. One
+        whose consumer was killed before the ack comes to the next consume at once (take_back)."""
         async def handle(msg: Msg) -> None:
             try:
                 await handler(msg)
@@ -202,8 +203,21 @@ class Bus:
                 return
             await msg.ack()
 
-        return await self.js.subscribe(subject, durable=durable, stream=self.subjects.stream("events"), cb=handle,
+        stream = self.subjects.stream("events")
+        await self.take_back(stream, durable)
+        return await self.js.subscribe(subject, durable=durable, stream=stream, cb=handle,
                                        manual_ack=True, config=ConsumerConfig(ack_wait=EVENT_ACK_WAIT_S))
+
+    async def take_back(self, stream: str, durable: str) -> None:
+        """Before a durable consumer of one process (the controller's events, replay's trajectories) is bound: what
+        its killed predecessor was handed and did not ack is delivered again now, not after its ack_wait."""
+        try:
+            info = await self.js.consumer_info(stream, durable)
+        except NotFoundError:  # a new run: nothing was handed to anyone
+            return
+        if info.num_ack_pending and await self.hand_back(stream, durable):
+            _warn.warning(durable, "%d messages a killed %s had not acked are delivered again", info.num_ack_pending,
+                          durable)
 
     async def hand_back(self, stream: str, durable: str) -> bool:
         """Make the messages a consumer has delivered and not yet seen acked deliverable again at once (JetStream's
