@@ -216,8 +216,8 @@ class Bus:
         except NotFoundError:  # a new run: nothing was handed to anyone
             return
         if info.num_ack_pending and await self.hand_back(stream, durable):
-            _warn.warning(durable, "%d messages a killed %s had not acked are delivered again", info.num_ack_pending,
-                          durable)
+            _warn.warning(durable, "messages a killed %s had not acked, delivered again: %d", durable,
+                          info.num_ack_pending)
 
     async def hand_back(self, stream: str, durable: str) -> bool:
         """Make the messages a consumer has delivered and not yet seen acked deliverable again at once (JetStream's
