@@ -4,7 +4,8 @@ Streams per run (names derive from the run id, so runs share a server safely):
 - WORK: the rollout work queue (work-queue retention: a message is gone once acked;
   unacked messages are redelivered after `ack_wait`, which is how a killed rollout
   worker's groups come back).
-- TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write).
+- TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write; a restarted replay
+  takes back at once what a killed one fetched and did not ack, `hand_back`).
 - STATE: last-value subjects (weight announcements), so a late joiner reads the latest.
 - EVENTS: events that must not be lost while their consumer is down (StaleGroups, replay ->
   controller, for stale and for dynamic-sampling-filtered groups; PoisonedGroup, rollout -> controller):
@@ -31,7 +32,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from services.common.config import SecurityConfig
 from services.common.logs import RateLimitedLog
@@ -48,6 +49,9 @@ WORK_DEDUP_WINDOW_S = 3600.0
 """How long the work stream remembers a lease's message id. A restarted controller publishes again the leases
 it had not yet saved (controller/main.py), and JetStream drops them only within this window. NATS's default of
 2 minutes is shorter than a node's reboot; an hour of ids costs the server a few MB at thousands of leases a minute."""
+JS_API = "$JS.API"
+"""JetStream's API prefix (the bus uses no JetStream domain)."""
+HAND_BACK_S = 2.0
 _warn = RateLimitedLog(logging.getLogger("flywheel.bus"))
 
 
@@ -188,7 +192,8 @@ class Bus:
     async def consume(self, subject: str, durable: str, handler: Callable[[Msg], Awaitable[None]]):
         """Durable consumer of an EVENTS subject: `handler(msg)`, then ack. A message whose handler raises, or
         that arrives while nobody consumes, waits in the stream and is delivered again (after EVENT_ACK_WAIT_S);
-        one that does not decode (the handler raises DecodeError) is dropped, since no redelivery can help."""
+        one that does not decode (the handler raises DecodeError) is dropped, since no redelivery can help. One
+        whose consumer was killed before the ack comes to the next consume at once (take_back)."""
         async def handle(msg: Msg) -> None:
             try:
                 await handler(msg)
@@ -198,8 +203,39 @@ class Bus:
                 return
             await msg.ack()
 
-        return await self.js.subscribe(subject, durable=durable, stream=self.subjects.stream("events"), cb=handle,
+        stream = self.subjects.stream("events")
+        await self.take_back(stream, durable)
+        return await self.js.subscribe(subject, durable=durable, stream=stream, cb=handle,
                                        manual_ack=True, config=ConsumerConfig(ack_wait=EVENT_ACK_WAIT_S))
+
+    async def take_back(self, stream: str, durable: str) -> None:
+        """Before a durable consumer of one process (the controller's events, replay's trajectories) is bound: what
+        its killed predecessor was handed and did not ack is delivered again now, not after its ack_wait."""
+        try:
+            info = await self.js.consumer_info(stream, durable)
+        except NotFoundError:  # a new run: nothing was handed to anyone
+            return
+        if info.num_ack_pending and await self.hand_back(stream, durable):
+            _warn.warning(durable, "messages a killed %s had not acked, delivered again: %d", durable,
+                          info.num_ack_pending)
+
+    async def hand_back(self, stream: str, durable: str) -> bool:
+        """Make the messages a consumer has delivered and not yet seen acked deliverable again at once (JetStream's
+        consumer reset: its delivered and ack state start over at the stream's first message; on a work-queue
+        stream the acked ones are gone, so what comes again is exactly what was unacked). For a restarted
+        consumer whose predecessor was killed holding messages: otherwise they wait out the consumer's ack_wait.
+        False when the server does not know the request (nats-server before the reset API): ack_wait then."""
+        try:
+            reply = await self.nc.request(f"{JS_API}.CONSUMER.RESET.{stream}.{durable}", b"", timeout=HAND_BACK_S)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as err:
+            _warn.warning("hand_back", "consumer %s was not reset (%r); its unacked messages wait for ack_wait",
+                          durable, err)
+            return False
+        error = json.loads(reply.data).get("error")
+        if error:
+            _warn.warning("hand_back", "consumer %s was not reset (%s); its unacked messages wait for ack_wait",
+                          durable, error.get("description", error))
+        return not error
 
     async def emit(self, subject: str, msg: Message) -> None:
         """Fire-and-forget core NATS event."""

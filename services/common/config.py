@@ -684,7 +684,8 @@ class ReplayConfig(Section):
     fetch_batch: int = Field(64, gt=0, le=4096)
     """Messages pulled from the trajectory stream per fetch (fewer when the buffer is nearly full)."""
     ack_wait_s: float = Field(30.0, gt=0, le=3600)
-    """JetStream ack wait: an unacked trajectory is redelivered after this many seconds."""
+    """JetStream ack wait: a trajectory fetched and not acked by a live replay (stuck, partitioned) is redelivered
+    after this many seconds. What a killed replay held comes back when the next one starts (ingest.py)."""
     tombstone_ttl_s: int = Field(86400, gt=0)
     """Seconds a consumed or evicted group id is remembered, so a late redelivery is not stored again."""
 

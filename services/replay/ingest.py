@@ -82,11 +82,19 @@ class Ingest:
         """Messages the stream held beyond the last one fetched, when it was delivered."""
 
     async def subscribe(self):
-        """Create or update the durable consumer (ack_wait may change between runs), then bind."""
+        """Create or update the durable consumer (ack_wait may change between runs), hand back what a killed
+        predecessor held, then bind."""
         stream = self.bus.subjects.stream("traj")
         await self.bus.js.add_consumer(stream, ConsumerConfig(
             name=CONSUMER, durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=self.cfg.ack_wait_s,
             filter_subject=self.bus.subjects.trajectories))
+        # Groups delivered to a replay that died before acking (a SIGKILL between fetch and ack, or a fetch the
+        # server filled just as it died). Left to ack_wait, such a group reaches Redis ack_wait_s later, after the
+        # trainer filled its step from later groups: it is evicted as stale and its prompt leased again, and the
+        # run's last step waits for that. Handed back now, it is stored as soon as this replay serves. A second
+        # replay sharing the consumer would see its in-flight groups delivered again: stored once (puts are
+        # idempotent), counted as duplicates.
+        await self.bus.take_back(stream, CONSUMER)
         return await self.bus.js.pull_subscribe_bind(durable=CONSUMER, stream=stream)
 
     async def run(self, stop: asyncio.Event) -> None:

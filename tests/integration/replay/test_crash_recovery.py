@@ -101,3 +101,43 @@ async def test_redis_kill_9_with_aof_loses_nothing_that_was_acked(cfg, bus, redi
 async def _all_acked(bus, replay, n: int) -> bool:
     info = await bus.js.consumer_info(bus.subjects.stream("traj"), CONSUMER)
     return info.num_pending == 0 and info.num_ack_pending == 0 and (await replay.store.size()) == n
+
+
+PREDECESSOR = """
+import asyncio, sys
+from services.common.bus import Bus
+from services.common.config import load_config
+from services.replay.ingest import Ingest
+
+async def main():
+    cfg = load_config(sys.argv[1])
+    bus = await Bus.connect(cfg.addresses.nats_url, cfg.run.name, name="replay")
+    msgs = await (await Ingest(bus, None, cfg.replay).subscribe()).fetch(1, timeout=20)
+    print(*[m.metadata.sequence.stream for m in msgs], flush=True)
+    await asyncio.sleep(3600)  # killed here, between fetch and ack
+
+asyncio.run(main())
+"""
+
+
+async def test_a_restarted_replay_stores_at_once_what_its_killed_predecessor_fetched_and_did_not_ack(cfg, bus,
+                                                                                                    tmp_path):
+    """A replay killed between fetch and ack (here: replay's own consumer code in a process SIGKILLed right after
+    its fetch) leaves the group delivered and unacked. With ack_wait an hour, only the restarted replay handing it
+    back can bring the group to Redis while the test waits; JetStream's consumer state is the oracle."""
+    cfg = cfg.model_copy(update={"replay": cfg.replay.model_copy(update={"ack_wait_s": 3600.0})})
+    cfg = with_grpo(cfg, num_prompts_per_step=1, max_staleness=NEVER_STALE)
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    await bus.publish(bus.subjects.trajectories, make_group("held"))
+    predecessor = subprocess.Popen([sys.executable, "-c", PREDECESSOR, str(tmp_path / "replay.yaml")],
+                                   stdout=subprocess.PIPE, text=True)
+    fetched = predecessor.stdout.readline().split()
+    predecessor.send_signal(signal.SIGKILL)
+    predecessor.wait()
+    before = await bus.js.consumer_info(bus.subjects.stream("traj"), CONSUMER)
+    assert fetched == ["1"] and before.num_ack_pending == 1  # the kill left the group held, not acked
+
+    async with running_replay(cfg) as (replay, stub):
+        await until(lambda: _all_acked(bus, replay, 1), "the held group to be stored and acked")
+        batch = await stub.Sample(replay_pb2.SampleRequest(step=0, prompts_per_step=1, max_staleness=NEVER_STALE))
+    assert [g.group_id for g in batch.groups] == ["held"]
