@@ -109,11 +109,17 @@ def _check(python: Path, services: tuple[str, ...], extras: tuple[str, ...], cwd
     _timed("flywheel serve --help", [str(python.parent / "flywheel"), "serve", services[0], "--help"], cwd)
 
 
+@pytest.fixture
+def venv_dir(tmp_path):
+    """Removed after the test: a torch venv is 1.3 GB, and pytest keeps the last three runs' tmp_path."""
+    yield tmp_path / "venv"
+    shutil.rmtree(tmp_path / "venv", ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("venv", sorted(VENVS))
-def test_each_service_imports_from_an_install_of_its_extra_alone(venv, tmp_path):
+def test_each_service_imports_from_an_install_of_its_extra_alone(venv, venv_dir, tmp_path):
     source = _source(tmp_path)
-    venv_dir = tmp_path / "venv"
     _timed("python -m venv", [sys.executable, "-m", "venv", "--without-pip", str(venv_dir)], tmp_path)
     python = venv_dir / "bin" / "python"
     for extra in VENVS[venv]:
@@ -121,7 +127,7 @@ def test_each_service_imports_from_an_install_of_its_extra_alone(venv, tmp_path)
         target = f"{source}[{extra}]" if extra else str(source)
         torch = [r for r in (_extra(extra) if extra else []) if normal(r.split("=")[0]) == "torch"]
         if torch:
-            _pip_install(python, torch, tmp_path)  # exactly, and first: the CPU wheel pip.conf points at
+            _pip_install(python, torch, tmp_path)  # exactly and first, as the Makefile does
         _pip_install(python, [target], tmp_path)
         _check(python, services, (extra,) if extra else (), tmp_path)
 
