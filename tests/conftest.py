@@ -12,9 +12,9 @@ from services.common.infra import Server, start_nats, start_redis
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow first, each group in collection order. `make test`'s system phase hands whole files to two
-    workers in this order (--dist loadfile); with the long files first, the last ones a worker takes are short, and
-    neither waits long at the end for the other (in collection order, the trainer's kill-and-resume and vLLM export
-    files came last)."""
+    workers in this order (--dist loadfile --no-loadscope-reorder; by default xdist orders files by their number of
+    tests, which put the one-test end-to-end runs last); with the long files first, the last ones a worker takes
+    are short, and neither waits long at the end for the other."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
