@@ -46,8 +46,8 @@ up: setup
 
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
 # Both phases run on two workers. tests/unit has no stacks; the system tests start whole stacks on free ports,
-# one file per worker (--dist loadfile), slow files first (tests/conftest.py), so a file's module-scoped stack is started once and two stacks at
-# most share the machine (every wait is on a deadline, none on a timing).
+# one file per worker (--dist loadfile), slow files first (tests/conftest.py), so a file's module-scoped stack
+# is started once and two stacks at most share the machine (every wait is on a deadline, none on a timing).
 test: setup $(VERIFIERS_STAMP) gym-venv
 	tests/with_system_tools.sh sh -c '$(VENV)/bin/pytest -m "not gpu" -q -n 2 tests/unit $(ARGS) && \
 		$(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --no-loadscope-reorder --durations=0 --durations-min=5 --ignore=tests/unit $(ARGS)'
