@@ -3,6 +3,8 @@ the whole session (tests/ports.py); tool checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from needs import require_tools
@@ -46,9 +48,21 @@ def need_tools():
 
 
 @pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    """The tiny model briefly supervised on tool_add's episodes (tests/tool_demos.py), made once per session:
-    the tool-call tests of the endpoint and of the local stack start from the same one."""
+def tool_model(tmp_path_factory, worker_id):
+    """The tiny model briefly supervised on tool_add's episodes (tests/tool_demos.py), made once per test run: the
+    tool-call tests of the endpoint and of the local stack start from the same one. xdist's workers share it
+    through their common base directory, the first to need it making it under a lock (each worker made its own,
+    up to 180 s each on a loaded machine)."""
+    from filelock import FileLock
     from tool_demos import warm_start
 
-    return warm_start(tmp_path_factory.mktemp("tool_model"), steps=180, answer_fraction=1.0)
+    def make(out: Path) -> Path:
+        return warm_start(out, steps=180, answer_fraction=1.0, threads=1)
+
+    if worker_id == "master":  # not under xdist
+        return make(tmp_path_factory.mktemp("tool_model"))
+    out = tmp_path_factory.getbasetemp().parent / "tool_model"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            make(out.with_suffix(".partial")).rename(out)  # a worker killed mid-way leaves no half model
+    return out

@@ -62,7 +62,7 @@ def _ids(tok, text: str) -> list[int]:
 
 
 def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tuple[int, int]] | None = None,
-               seed: int = 0, batch: int = 16) -> Path:
+               seed: int = 0, batch: int = 16, threads: int | None = None) -> Path:
     """Train the tiny model `steps` AdamW steps on tool_add demonstrations of `pairs` (default: every pair of
     operands); save it with its tokenizer to `out`, as a directory policy.model_name can name."""
     pairs = pairs or [(a, b) for a in range(OPERANDS) for b in range(OPERANDS)]
@@ -70,7 +70,7 @@ def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tup
     def demo(tok, rng: random.Random) -> tuple[list[int], list[bool]]:
         return demonstration(tok, *rng.choice(pairs), train_answer=rng.random() < answer_fraction)
 
-    return supervise(out, demo, steps=steps, seed=seed, batch=batch)
+    return supervise(out, demo, steps=steps, seed=seed, batch=batch, threads=threads)
 
 
 def supervise(out: Path, demo, *, steps: int, seed: int = 0, batch: int = 16, overrides: list[str] = (),
