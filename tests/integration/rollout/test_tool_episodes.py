@@ -27,7 +27,8 @@ G = 4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return warm_start(tmp_path_factory.mktemp("tool_model"), steps=80, answer_fraction=1.0, pairs=[(3, 4)], batch=4)
+    return warm_start(tmp_path_factory.mktemp("tool_model"), steps=80, answer_fraction=1.0, pairs=[(3, 4)], batch=4,
+                      threads=1)
 
 
 async def _episodes(model_dir, tool_parser: str | None, backend: str = "hf"
