@@ -26,9 +26,11 @@ def refill_budget(g) -> int:
 
 class Replacements:
     async def _on_stale(self, msg) -> None:
-        async with self.leasing:
-            for gid in self._event_ids(msg, "stale"):
-                await self._stale(gid)
+        ids = self._event_ids(msg, "stale")  # before the lock: a stray event is dropped without waiting for a unit
+        if ids:
+            async with self.leasing:
+                for gid in ids:
+                    await self._stale(gid)
 
     def _event_ids(self, msg, kind: str) -> list[str]:
         """A StaleGroups event's group ids of _group_id's form; any other is a stray id, warned about and skipped."""
@@ -59,10 +61,12 @@ class Replacements:
 
     async def _on_filtered(self, msg) -> None:
         """Dynamic sampling: a group with equal rewards was dropped; a new prompt refills its step."""
-        async with self.leasing:
-            for gid in self._event_ids(msg, "filtered"):
-                if not await self._refill(gid):
-                    return
+        ids = self._event_ids(msg, "filtered")
+        if ids:
+            async with self.leasing:
+                for gid in ids:
+                    if not await self._refill(gid):
+                        return
 
     async def _refill(self, gid: str) -> bool:
         """False when the step is past its refill budget (the run stops)."""
@@ -86,6 +90,9 @@ class Replacements:
         """A group no delivery could run: counted, and a new prompt leased in its place, not the same one (it
         would fail again); past rollout.max_poisoned_groups the run stops."""
         p = types_pb2.PoisonedGroup.FromString(msg.data)
+        if not self._is_group_id(p.group_id):  # before the lock, as _event_ids
+            _warn.warning("poisoned", "ignored a poisoned-group event for %r: no group id", p.group_id[:64])
+            return
         async with self.leasing:
             old = self.leased.get(p.group_id)
             if old is None or self.fatal:  # announced twice, or no lease of this run: a stray event must not stop it

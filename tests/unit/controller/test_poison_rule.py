@@ -43,10 +43,12 @@ def event(group_id: str) -> SimpleNamespace:
 
 async def test_the_controller_counts_a_leased_group_once_and_ignores_a_stray_event():
     controller = Controller(load_config(None, ["rollout.max_poisoned_groups=0"]), bus=None, registry=None)
-    controller.leased["g"] = types_pb2.PromptGroup(group_id="g", target_step=0)
-    await controller._on_poisoned(event("not-leased"))
+    gid = controller._group_id("step/0/0")
+    controller.leased[gid] = types_pb2.PromptGroup(group_id=gid, target_step=0)
+    for stray in ("not-leased", controller._group_id("step/0/1")):  # no group id; one not leased
+        await controller._on_poisoned(event(stray))
     assert controller.poisoned == 0 and controller.fatal == ""
-    await controller._on_poisoned(event("g"))  # the bound is 0: the first one stops the run
+    await controller._on_poisoned(event(gid))  # the bound is 0: the first one stops the run
     assert controller.poisoned == 1 and "failed with: TemplateError: x" in controller.fatal
-    await controller._on_poisoned(event("g"))  # announced again by a worker killed before it dropped the group
+    await controller._on_poisoned(event(gid))  # announced again by a worker killed before it dropped the group
     assert controller.poisoned == 1
