@@ -5,7 +5,7 @@ Streams per run (names derive from the run id, so runs share a server safely):
   unacked messages are redelivered after `ack_wait`, which is how a killed rollout
   worker's groups come back).
 - TRAJ: finished trajectory groups (work-queue retention; replay acks after its Redis write; a restarted replay
-  takes back at once what a killed one fetched and did not ack, `hand_back`).
+  takes back at once what a killed one fetched and did not ack, `take_back`).
 - STATE: last-value subjects (weight announcements), so a late joiner reads the latest.
 - EVENTS: events that must not be lost while their consumer is down (StaleGroups, replay ->
   controller, for stale and for dynamic-sampling-filtered groups; PoisonedGroup, rollout -> controller):
@@ -51,7 +51,7 @@ it had not yet saved (controller/main.py), and JetStream drops them only within 
 2 minutes is shorter than a node's reboot; an hour of ids costs the server a few MB at thousands of leases a minute."""
 JS_API = "$JS.API"
 """JetStream's API prefix (the bus uses no JetStream domain)."""
-HAND_BACK_S = 2.0
+TAKE_BACK_S = 2.0
 _warn = RateLimitedLog(logging.getLogger("flywheel.bus"))
 
 
@@ -210,32 +210,28 @@ class Bus:
 
     async def take_back(self, stream: str, durable: str) -> None:
         """Before a durable consumer of one process (the controller's events, replay's trajectories) is bound: what
-        its killed predecessor was handed and did not ack is delivered again now, not after its ack_wait."""
+        its killed predecessor was handed and did not ack is delivered again now, not after its ack_wait.
+        JetStream's consumer reset starts the consumer's delivered and ack state over at the stream's first
+        message; on a work-queue stream the acked ones are gone, so what comes again is exactly what was unacked.
+        A server that does not know the request (nats-server before the reset API) leaves them to ack_wait."""
         try:
             info = await self.js.consumer_info(stream, durable)
         except NotFoundError:  # a new run: nothing was handed to anyone
             return
-        if info.num_ack_pending and await self.hand_back(stream, durable):
+        if not info.num_ack_pending:
+            return
+        try:
+            reply = await self.nc.request(f"{JS_API}.CONSUMER.RESET.{stream}.{durable}", b"", timeout=TAKE_BACK_S)
+            error = json.loads(reply.data).get("error")
+            refused = error and error.get("description", error)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as err:
+            refused = repr(err)
+        if refused:
+            _warn.warning("take_back", "consumer %s was not reset (%s); its unacked messages wait for ack_wait",
+                          durable, refused)
+        else:
             _warn.warning(durable, "messages a killed %s had not acked, delivered again: %d", durable,
                           info.num_ack_pending)
-
-    async def hand_back(self, stream: str, durable: str) -> bool:
-        """Make the messages a consumer has delivered and not yet seen acked deliverable again at once (JetStream's
-        consumer reset: its delivered and ack state start over at the stream's first message; on a work-queue
-        stream the acked ones are gone, so what comes again is exactly what was unacked). For a restarted
-        consumer whose predecessor was killed holding messages: otherwise they wait out the consumer's ack_wait.
-        False when the server does not know the request (nats-server before the reset API): ack_wait then."""
-        try:
-            reply = await self.nc.request(f"{JS_API}.CONSUMER.RESET.{stream}.{durable}", b"", timeout=HAND_BACK_S)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as err:
-            _warn.warning("hand_back", "consumer %s was not reset (%r); its unacked messages wait for ack_wait",
-                          durable, err)
-            return False
-        error = json.loads(reply.data).get("error")
-        if error:
-            _warn.warning("hand_back", "consumer %s was not reset (%s); its unacked messages wait for ack_wait",
-                          durable, error.get("description", error))
-        return not error
 
     async def emit(self, subject: str, msg: Message) -> None:
         """Fire-and-forget core NATS event."""

@@ -35,11 +35,12 @@ class Replacements:
     def _event_ids(self, msg, kind: str) -> list[str]:
         """A StaleGroups event's group ids of _group_id's form; any other is a stray id, warned about and skipped."""
         ids = types_pb2.StaleGroups.FromString(msg.data).group_ids
-        stray = [gid for gid in ids if not self._is_group_id(gid)]
-        if stray:
-            _warn.warning(kind, "ignored %d id(s) of a %s event that are no group id, e.g. %r", len(stray), kind,
-                          stray[0][:64])
-        return [gid for gid in ids if self._is_group_id(gid)]
+        kept = [gid for gid in ids if self._is_group_id(gid)]
+        if len(kept) < len(ids):
+            stray = next(gid for gid in ids if not self._is_group_id(gid))
+            _warn.warning(kind, "ignored %d id(s) of a %s event that are no group id, e.g. %r", len(ids) - len(kept),
+                          kind, stray[:64])
+        return kept
 
     async def _stale(self, gid: str) -> None:
         key = f"again/{gid}"

@@ -336,18 +336,21 @@ class RolloutWorker:
     async def generated(self, group: types_pb2.PromptGroup) -> list[types_pb2.Completion]:
         """Generate's episodes of `group`, each with its messages: an agent environment's run on the endpoint as
         training runs them (agent_groups.py), any other through the episode loop."""
-        if self.endpoint is not None and await self.agents.is_agent(group.env_name):
+        if await self._runs_agents(group.env_name):
             return await self.agents.completions(group, self.endpoint, self.version, self._decode)
         return list((await self.runner.run(group, self.worker_id, with_messages=True)).completions)
+
+    async def _runs_agents(self, env_name: str) -> bool:
+        """Whether `env_name`'s episodes are its agents' on the endpoint. A worker without the endpoint runs no agent
+        group (the controller admits agents only when it is on), so it never asks."""
+        return self.endpoint is not None and await self.agents.is_agent(env_name)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def _run_group(self, group: types_pb2.PromptGroup, slot: Slot) -> types_pb2.TrajectoryGroup:
-        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop.
-        A worker without the endpoint runs no agent group (the controller admits agents only when it is on), so it
-        never asks."""
-        if self.endpoint is None or not await self.agents.is_agent(group.env_name):
+        """An agent environment's group through the endpoint (agent_groups.py), any other through the episode loop."""
+        if not await self._runs_agents(group.env_name):
             return await self.runner.run(group, self.worker_id, generated=slot.generated)
         traj = await self.agents.run(group, self.endpoint, self.version, self.worker_id)
         await slot.generated()
