@@ -14,6 +14,11 @@ if [ -n "${PYTHON:-}" ]; then
 elif compgen -G "$WHEELS/*.whl" >/dev/null; then
     if [ ! -x .venv-gpu/bin/python ]; then  # a Python without ensurepip still makes one, pip-less
         python3 -m venv --system-site-packages .venv-gpu || python3 -m venv --system-site-packages --without-pip .venv-gpu
+        # python3 may be a venv itself (the GPU machine's is /opt/torch/.venv), whose own packages a child venv's
+        # --system-site-packages does not show (only its base interpreter's): name them in a .pth file, read
+        # after the venv's own site-packages, so the carried wheels still come first.
+        python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+            > "$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/machine-site.pth"
     fi
     PIP=(.venv-gpu/bin/python -m pip)
     .venv-gpu/bin/python -m pip --version >/dev/null 2>&1 || PIP=(python3 -m pip --python .venv-gpu/bin/python)

@@ -133,6 +133,8 @@ def build_gpt(hf, policy: PolicyConfig, cpu: bool = False) -> tuple[torch.nn.Mod
                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                    share_embeddings_and_output_weights=bool(c.tie_word_embeddings), position_embedding_type="rope",
                    **rope_kwargs(c))
+    if not cpu:  # as Megatron-LM's get_model does: the local spec's norms (torch.nn.RMSNorm) are built on the host
+        gpt.cuda(torch.cuda.current_device())
     load_shard(gpt, hf.state_dict(), Shape.of(c, fused_norms=te))
     module = Float16Module(tconfig, gpt) if tconfig.bf16 or tconfig.fp16 else gpt
     return module, gpt
