@@ -9,7 +9,12 @@ Sampling is each prompt's (its environment's, else policy.generation's), as vali
 of kind agent (NeMo Gym, verifiers, programs) runs each episode's agent against rollout's OpenAI endpoint, as
 in training (services/rollout/agent_groups.py): the line's output is the conversation the endpoint recorded,
 its reward the agent environment's, and its named rewards and metrics (NeMo Gym's extra verify fields) extra
-top-level keys. The agent, not the prompt, chooses an agent episode's sampling.
+top-level keys. An agent episode samples as its requests say, and as its environment's `sampling` where they
+leave a field out.
+
+A prompt whose agent failed every attempt (rollout runs a failed episode again, rollout.max_group_failures
+attempts in all) writes no lines and costs nothing else: it goes to <run_dir>/collect_failed.jsonl with its
+task index, environment, messages and error, so that exactly those can be collected again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ def rollout_lines(prompts, results, model: str) -> list[dict]:
     """Each prompt's completions, in prompt then sampling order, as NeMo Gym rollouts."""
     lines = []
     for task, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        if result.error:
+            continue
         messages = [message_to_dict(m) for m in prompt.messages]
         tools = tools_to_dicts(prompt.tools) or None
         for i, c in enumerate(result.completions):
@@ -36,21 +43,37 @@ def rollout_lines(prompts, results, model: str) -> list[dict]:
     return lines
 
 
-def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> int:
-    """Writes `out`; the number of rollouts written."""
-    prompts, _, results = scored_on_a_stack(cfg, run_dir)
-    lines = rollout_lines(prompts, results, cfg.policy.model_name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
+def failed_lines(prompts, results) -> list[dict]:
+    """The prompts whose episodes failed every attempt, as collect_failed.jsonl lines."""
+    return [{"task_index": task, "env_name": prompt.env_name,
+             "messages": [message_to_dict(m) for m in prompt.messages], "error": result.error}
+            for task, (prompt, result) in enumerate(zip(prompts, results, strict=True)) if result.error]
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
         for line in lines:
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    return len(lines)
+
+
+def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> tuple[int, int]:
+    """Writes `out` (and run_dir/collect_failed.jsonl); (rollouts written, prompts failed)."""
+    prompts, _, results = scored_on_a_stack(cfg, run_dir)
+    lines = rollout_lines(prompts, results, cfg.policy.model_name)
+    write_jsonl(out, lines)
+    failed = failed_lines(prompts, results)
+    write_jsonl(run_dir / "collect_failed.jsonl", failed)
+    return len(lines), len(failed)
 
 
 def collect_command(cfg: FlywheelConfig, out: str, run_dir: str) -> int:
     logs = Path(run_dir).resolve()
     n = cfg.grpo.val_num_generations_per_prompt
     print(f"collect: {cfg.policy.model_name}, {n} rollouts per prompt, services' logs in {logs}", flush=True)
-    count = run_collect(cfg, Path(out), logs)
+    count, failed = run_collect(cfg, Path(out), logs)
     print(f"collect: {count} rollouts written to {out}", flush=True)
+    if failed:
+        print(f"collect: {failed} prompts failed every attempt and wrote nothing: {logs / 'collect_failed.jsonl'}",
+              flush=True)
     return 0

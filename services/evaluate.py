@@ -3,7 +3,10 @@
     config (data.validation, or --data; without either, the prompts the config's environments generate, as
     validation takes them) ──▶ environment + rollout services, policy.model_name = --model
         ──▶ Validator (services/controller/evaluation.py): Generate n episodes per prompt, scored by the environment
-        ──▶ printed metrics, <run_dir>/eval.json and eval_samples.jsonl (each prompt's rewards)
+        ──▶ printed metrics, <run_dir>/eval.json and eval_samples.jsonl (each prompt's rewards, or its error)
+
+A prompt whose agent failed every attempt is left out of the metrics and counted (validation/failed_prompts;
+evaluation.py), its error in eval_samples.jsonl: one broken episode does not cost the whole evaluation.
 
 --model is a Hugging Face model id or directory, or a trainer checkpoint, which is exported first.
 Rollout's HF engine loads it; the vLLM engine starts from random weights and takes real ones only
@@ -59,7 +62,8 @@ def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
     (run_dir / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
     with (run_dir / "eval_samples.jsonl").open("w") as f:
         for p in results:
-            f.write(json.dumps({"prompt": p.prompt, "rewards": p.rewards, "lengths": p.lengths}) + "\n")
+            f.write(json.dumps({"prompt": p.prompt, "rewards": p.rewards, "lengths": p.lengths}
+                               | ({"error": p.error} if p.error else {})) + "\n")
     return metrics
 
 

@@ -10,6 +10,11 @@ sliding-puzzle example validates on generated puzzles). Each keeps its environme
 Metric names are NeMo RL's: validation/accuracy (mean reward over every sample), validation/avg_length
 (generated tokens, observations not counted), validation/pass@k with k = n, by the unbiased estimator of
 Chen et al. (2021) averaged over prompts. A sample counts as correct when its reward is > 0, as NeMo RL's pass rate does.
+
+A prompt whose agent episode failed every attempt rollout gives it (FAILED_PRECONDITION, or the call's deadline)
+costs that prompt, not the validation: it is left out of the metrics and counted in validation/failed_prompts,
+with its error kept in its PromptResult. Only when every prompt failed does the validation fail, with the first
+error. Any other error (rollout or environment unreachable, a prompt refused) fails it at once.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from services.common.config import FlywheelConfig
 from services.common.pb.flywheel.v1 import rollout_pb2, types_pb2
 
 log = logging.getLogger("flywheel.controller.evaluation")
 CONCURRENCY = 8
 """Validation prompts in flight at once."""
+PROMPT_FAILURES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""Generate's answers that fail one prompt (its agent failed every attempt, or outlasted the call)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,9 +61,16 @@ class PromptResult:
     """Policy version that generated these samples (the lowest, if weights changed in between)."""
     completions: list = field(default_factory=list)
     """The Completion messages Generate answered, with each episode's messages (`flywheel collect` writes them)."""
+    error: str = ""
+    """Why Generate failed this prompt (PROMPT_FAILURES); it then has no samples."""
 
 
 def summarize(results: list[PromptResult], k: int) -> dict[str, float]:
+    """NeMo RL's validation metrics over the prompts that were scored; failed ones only counted."""
+    failed = [p for p in results if p.error]
+    results = [p for p in results if not p.error]
+    if not results:
+        raise RuntimeError(f"every one of {len(failed)} validation prompts failed; the first: {failed[0].error}")
     rewards = [r for p in results for r in p.rewards]
     lengths = [n for p in results for n in p.lengths]
     return {
@@ -64,6 +80,7 @@ def summarize(results: list[PromptResult], k: int) -> dict[str, float]:
                                     for p in results) / len(results),
         "validation/num_prompts": float(len(results)),
         "validation/policy_version": float(min(p.version for p in results)),
+        "validation/failed_prompts": float(len(failed)),
     }
 
 
@@ -93,9 +110,16 @@ class Validator:
         return summarize(results, self.n), results
 
     async def _one(self, prompt: types_pb2.PromptGroup) -> PromptResult:
-        generated = await self.rollout.Generate(rollout_pb2.GenerateRequest(
-            messages=prompt.messages, tools=prompt.tools, n=self.n, sampling=prompt.sampling, env_name=prompt.env_name,
-            metadata=prompt.metadata, max_turns=prompt.max_turns), timeout=600, wait_for_ready=True)
+        try:
+            generated = await self.rollout.Generate(rollout_pb2.GenerateRequest(
+                messages=prompt.messages, tools=prompt.tools, n=self.n, sampling=prompt.sampling,
+                env_name=prompt.env_name, metadata=prompt.metadata, max_turns=prompt.max_turns),
+                timeout=600, wait_for_ready=True)
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in PROMPT_FAILURES:
+                raise
+            log.warning("validation prompt %r failed: %s", prompt.messages[-1].content[-80:], err.details())
+            return PromptResult(prompt=prompt.messages[-1].content, error=f"{err.code().name}: {err.details()}")
         completions = list(generated.completions)
         return PromptResult(prompt=prompt.messages[-1].content, rewards=[c.reward for c in completions],
                             lengths=[sum(c.generated_mask) for c in completions], texts=[c.text for c in completions],
@@ -125,7 +149,7 @@ def validation_prompts(cfg: FlywheelConfig, sets) -> list[types_pb2.PromptGroup]
 def sample_lines(results: list[PromptResult], count: int) -> list[str]:
     """logger.num_val_samples_to_print samples, as lines for the log."""
     out = []
-    for p in results[:count]:
+    for p in [p for p in results if not p.error][:count]:
         out.append(f"prompt: {p.prompt[-200:]!r}\n  response: {p.texts[0][:300]!r}\n  reward: {p.rewards[0]:g}")
     return out
 

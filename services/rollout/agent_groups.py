@@ -14,8 +14,9 @@ sample per episode) the group is G completions, exactly as the built-in loop's.
 
 Generate (validation, `flywheel eval`, `flywheel collect`) runs the same episodes (`episodes`) and answers one
 completion per episode instead (`episode_completion`): its longest sample, the conversation its last chat call
-recorded after the prompt, its agent's reward, named rewards and metrics. A failed episode fails the Generate
-call there: nothing hands it back.
+recorded after the prompt, its agent's reward, named rewards and metrics. Nothing hands a Generate call back, so
+there a failed episode runs again, alone and in a fresh session, up to rollout.max_group_failures attempts (as
+many as a training group's deliveries); only an episode that fails every time fails the call.
 
 Failures: an episode whose agent failed (deadline, crash, malformed reward) or a group with no model call at
 all raises AgentFailed; the worker hands the group back, so its prompt runs again, and poisons it at
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from google.protobuf import json_format
@@ -39,6 +41,7 @@ from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc
 from services.common.structs import from_struct
 from services.rollout.endpoint.trajectory import Sample, Trajectory, group_rows
 
+log = logging.getLogger("flywheel.rollout.agents")
 KIND_TTL_S = 10.0
 """Seconds rollout trusts what it was told an environment name is (a removed name may come back as another)."""
 DEADLINE_SHARE = 0.9
@@ -46,6 +49,8 @@ DEADLINE_SHARE = 0.9
 FAILED_GROUPS = Counter("flywheel_rollout_agent_groups_failed_total",
                         "Agent group runs that failed because an episode failed (the group is handed back)",
                         ["env", "reason"])
+RETRIED = Counter("flywheel_rollout_agent_episodes_retried_total",
+                  "Generate's agent episodes that failed and ran again (validation, eval, collect)", ["env", "reason"])
 SAMPLES = Counter("flywheel_rollout_agent_samples_total", "Completions built from agent episodes' samples", ["env"])
 
 
@@ -83,16 +88,17 @@ class AgentGroups:
         out.worker_id, out.generation_seconds = worker_id, time.perf_counter() - t0
         return out
 
-    async def episodes(self, group: types_pb2.PromptGroup, endpoint
+    async def episodes(self, group: types_pb2.PromptGroup, endpoint, attempts: int = 1
                        ) -> tuple[list[Trajectory], list[environment_pb2.RunAgentResponse]]:
-        """The group's G episodes, run at once on `endpoint`: what each recorded and what its agent answered.
-        Training (`run`) and Generate (eval, collect, validation: episode_completion) both run them here."""
+        """The group's G episodes, run at once on `endpoint`: what each recorded and what its agent answered, each
+        episode tried up to `attempts` times. Training (`run`, one attempt: a failed group is handed back whole)
+        and Generate (eval, collect, validation: episode_completion) both run them here."""
         if endpoint is None:
             raise AgentFailed("no_endpoint", "this worker serves no endpoint (policy.generation.endpoint.enabled)")
         task = task_json(group)
         try:
             async with asyncio.TaskGroup() as tasks:  # one episode failing cancels the others (agents stop)
-                episodes = [tasks.create_task(self._episode(group, endpoint, i, task))
+                episodes = [tasks.create_task(self._episode(group, endpoint, i, task, attempts))
                             for i in range(group.num_generations)]
         except ExceptionGroup as errors:  # the worker tells failures apart: the first as it came
             first = errors.exceptions[0]
@@ -102,28 +108,37 @@ class AgentGroups:
         trajectories, results = zip(*(e.result() for e in episodes))
         return list(trajectories), list(results)
 
-    async def completions(self, group: types_pb2.PromptGroup, endpoint, version: int, decode
+    async def completions(self, group: types_pb2.PromptGroup, endpoint, version: int, decode, attempts: int
                           ) -> list[types_pb2.Completion]:
         """Generate's answer for an agent environment: the group's episodes, one completion each
-        (episode_completion), run exactly as training runs them."""
-        trajectories, results = await self.episodes(group, endpoint)
+        (episode_completion), run as training runs them, a failed one again up to `attempts` times in all."""
+        trajectories, results = await self.episodes(group, endpoint, attempts)
         return [episode_completion(t, r, scale=group.reward_scale or 1.0, version=version, decode=decode)
                 for t, r in zip(trajectories, results, strict=True)]
 
-    async def _episode(self, group: types_pb2.PromptGroup, endpoint, index: int, task: str
+    async def _episode(self, group: types_pb2.PromptGroup, endpoint, index: int, task: str, attempts: int
                        ) -> tuple[Trajectory, environment_pb2.RunAgentResponse]:
-        """One episode: open, run its agent, close as soon as the agent is done (its later calls get 410)."""
-        key, token, url = endpoint.open_episode(metadata={"group_id": group.group_id, "episode": index})
-        try:
-            request = environment_pb2.RunAgentRequest(
-                env_name=group.env_name, base_url=url, api_key=token, model=self.model, task_json=task,
-                deadline_s=self.step_timeout_s * DEADLINE_SHARE)
-            result = await self.agents.RunAgent(request, timeout=self.step_timeout_s, wait_for_ready=True)
-        finally:
-            trajectory = endpoint.close_episode(key)
-        if result.error:  # the group is dropped: its other agents are stopped now rather than waited for
-            raise AgentFailed(result.error_reason, result.error)
-        return trajectory, result
+        """One episode: open, run its agent, close as soon as the agent is done (its later calls get 410); a
+        failed attempt's recording is dropped with its session."""
+        for attempt in range(1, attempts + 1):
+            key, token, url = endpoint.open_episode(
+                metadata={"group_id": group.group_id, "episode": index},
+                sampling=group.sampling if group.HasField("sampling") else None)
+            try:
+                request = environment_pb2.RunAgentRequest(
+                    env_name=group.env_name, base_url=url, api_key=token, model=self.model, task_json=task,
+                    deadline_s=self.step_timeout_s * DEADLINE_SHARE)
+                result = await self.agents.RunAgent(request, timeout=self.step_timeout_s, wait_for_ready=True)
+            finally:
+                trajectory = endpoint.close_episode(key)
+            if not result.error:
+                return trajectory, result
+            if attempt < attempts:
+                RETRIED.labels(group.env_name, result.error_reason).inc()
+                log.warning("group %s episode %d: attempt %d of %d failed (%s: %s); running it again",
+                            group.group_id, index, attempt, attempts, result.error_reason, result.error[:200])
+        # The group fails: its other agents are stopped now rather than waited for.
+        raise AgentFailed(result.error_reason, result.error)
 
 
 def episode_completion(trajectory: Trajectory, result: environment_pb2.RunAgentResponse, *, scale: float,

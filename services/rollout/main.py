@@ -103,9 +103,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     raise InvalidArgument(f"environment {request.env_name[:64]!r}: {err.details()}") from None
                 raise Unavailable(f"environment service at {w.cfg.addresses.environment}: {err.code().name} "
                                   f"{err.details()}") from None
-            except AgentFailed as err:  # nothing hands it back: eval and collect fail, a validation is logged
-                raise FailedPrecondition(f"environment {request.env_name[:64]!r}: an agent episode failed: {err}"
-                                         ) from None
+            except AgentFailed as err:  # an episode failed every attempt: eval, collect and validation count it
+                raise FailedPrecondition(f"environment {request.env_name[:64]!r}: an agent episode failed "
+                                         f"{w.cfg.rollout.max_group_failures} times: {err}") from None
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats,
         # work queue and health checks must not wait for it.
         ids = await asyncio.to_thread(prompt_token_ids, w.engine.tokenizer, [message_to_dict(m) for m in request.messages],
@@ -337,7 +337,8 @@ class RolloutWorker:
         """Generate's episodes of `group`, each with its messages: an agent environment's run on the endpoint as
         training runs them (agent_groups.py), any other through the episode loop."""
         if await self._runs_agents(group.env_name):
-            return await self.agents.completions(group, self.endpoint, self.version, self._decode)
+            return await self.agents.completions(group, self.endpoint, self.version, self._decode,
+                                                 attempts=self.cfg.rollout.max_group_failures)
         return list((await self.runner.run(group, self.worker_id, with_messages=True)).completions)
 
     async def _runs_agents(self, env_name: str) -> bool:

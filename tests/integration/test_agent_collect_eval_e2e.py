@@ -24,17 +24,18 @@ AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "copy_agen
 PROMPTS, N = 2, 2
 
 
-def _rows(path: Path, digits) -> Path:
-    rows = [{"messages": [{"role": "user", "content": f"copy {d}"}], "metadata": {"ground_truth": str(d)}}
+def _rows(path: Path, digits, **metadata) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"copy {d}"}], "metadata": {"ground_truth": str(d), **metadata}}
             for d in digits]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def _config(tmp_path: Path, *agent_args: str, **extra) -> Path:
-    """The agent environment trains on copy 0..PROMPTS-1 and validates on copy 7.. (its prompts tell them apart)."""
+def _config(tmp_path: Path, *agent_args: str, crash_first: bool = False, **extra) -> Path:
+    """The agent environment trains on copy 0..PROMPTS-1 and validates on copy 7.. (its prompts tell them apart).
+    `crash_first`: each validation task's first episode crashes (the agent's `--crash-first`)."""
     train = _rows(tmp_path / "rows.jsonl", range(PROMPTS))
-    validation = _rows(tmp_path / "val.jsonl", range(7, 7 + PROMPTS))
+    validation = _rows(tmp_path / "val.jsonl", range(7, 7 + PROMPTS), **({"crash_first": True} if crash_first else {}))
     agent = {"type": "program", "command": [sys.executable, str(AGENT), "--reward", "checksum", *agent_args]}
     config = tmp_path / "agent.yaml"
     config.write_text(json.dumps({
@@ -46,11 +47,10 @@ def _config(tmp_path: Path, *agent_args: str, **extra) -> Path:
     return config
 
 
-def _flywheel(*args: str, ok: bool = True) -> str:
-    """Runs the CLI; its stderr. `ok`: it must succeed (else: fail)."""
+def _flywheel(*args: str) -> None:
+    """Runs the CLI, which must succeed."""
     proc = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
-    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
-    return proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _checksum(text: str) -> float:
@@ -67,10 +67,14 @@ def _last_answer(output: list[dict]) -> str:
 
 def test_collect_on_a_program_agent_writes_its_recorded_episodes_with_the_agents_rewards(tmp_path):
     """The agent calls its own lookup tool first, then asks the model twice: each line's output is that whole
-    conversation as Responses items, and its reward and metric are what the agent scores the last reply."""
-    out = tmp_path / "rollouts.jsonl"
-    _flywheel("collect", "--config", str(_config(tmp_path, "--lookup", "--calls", "2")), "--n", str(N),
-              "--out", str(out), "--run-dir", str(tmp_path / "run"))
+    conversation as Responses items, and its reward and metric are what the agent scores the last reply. Each
+    task's first episode crashes: rollout runs it again, so every line is still there."""
+    out, markers = tmp_path / "rollouts.jsonl", tmp_path / "crashed"
+    markers.mkdir()
+    config = _config(tmp_path, "--lookup", "--calls", "2", "--crash-first", str(markers), crash_first=True)
+    _flywheel("collect", "--config", str(config), "--n", str(N), "--out", str(out), "--run-dir", str(tmp_path / "run"))
+    assert sorted(p.name for p in markers.iterdir()) == ["copy_7", "copy_8"]  # each task did crash once
+    assert (tmp_path / "run" / "collect_failed.jsonl").read_text() == ""
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == PROMPTS * N and {line["env_name"] for line in lines} == {"agent"}
     assert nemo_gym_reads(out) == (PROMPTS * N, pytest.approx(sum(line["reward"] for line in lines) / len(lines)))
@@ -90,24 +94,22 @@ def test_collect_on_a_program_agent_writes_its_recorded_episodes_with_the_agents
 
 
 def test_eval_on_a_program_agent_reports_the_mean_of_the_rewards_the_agent_gave(tmp_path):
+    """The agent always crashes on copy 8, after its model call: that prompt is tried 3 times
+    (rollout.max_group_failures), then left out of the metrics and counted, its error kept; copy 7 is scored."""
     record = tmp_path / "calls.jsonl"
     run_dir = tmp_path / "run"
-    _flywheel("eval", "--config", str(_config(tmp_path, "--record", str(record))), "--n", str(N),
-              "--run-dir", str(run_dir))
-    replies = [row["text"] or "" for row in read_rows(record)]  # one call an episode
+    config = _config(tmp_path, "--record", str(record), "--fault", "crash", "--fault-task", "copy 8")
+    _flywheel("eval", "--config", str(config), "--n", str(N), "--run-dir", str(run_dir))
+    rows = read_rows(record)  # one call an episode
+    scored = [row for row in rows if row["task"] == "copy 7"]
+    replies = [row["text"] or "" for row in scored]
     metrics = json.loads((run_dir / "eval.json").read_text())
-    assert len(replies) == PROMPTS * N and metrics["validation/num_prompts"] == PROMPTS
+    assert len(replies) == N and metrics["validation/num_prompts"] == 1 and metrics["validation/failed_prompts"] == 1
     assert metrics["validation/accuracy"] == pytest.approx(sum(map(_checksum, replies)) / len(replies))
-    assert metrics["validation/avg_length"] == pytest.approx(
-        sum(len(row["tokens"]) for row in read_rows(record)) / len(replies))
-
-
-def test_eval_stops_with_the_agents_error_when_an_episode_crashes(tmp_path):
-    """Nothing hands a Generate call back, so a crashed episode is the eval's error, named, not a score of 0."""
-    stderr = _flywheel("eval", "--config", str(_config(tmp_path, "--fault", "crash")), "--n", str(N),
-                       "--run-dir", str(tmp_path / "run"), ok=False)
-    assert "an agent episode failed: crash" in stderr, stderr[-3000:]
-    assert not (tmp_path / "run" / "eval.json").exists()
+    assert metrics["validation/avg_length"] == pytest.approx(sum(len(row["tokens"]) for row in scored) / N)
+    assert sum(row["task"] == "copy 8" for row in rows) >= 3  # an episode of it ran all its attempts
+    failed = [line for line in read_rows(run_dir / "eval_samples.jsonl") if "error" in line]
+    assert [line["prompt"] for line in failed] == ["copy 8"] and "crash" in failed[0]["error"], failed
 
 
 def test_a_training_runs_validation_on_a_program_agent_reports_the_rewards_the_agent_gave(tmp_path):

@@ -1,6 +1,7 @@
 """One endpoint call through the engine: limits, sampling, the span, the metrics and the recording.
 
-The request's sampling is honoured (unset fields take policy.generation's values); the trainer scores every
+The request's sampling is honoured (unset fields take the episode's environment's `sampling`, then
+policy.generation's values, as the built-in episode loop's turns take them); the trainer scores every
 sample under policy.generation.temperature, so an agent in training should leave temperature unset.
 Temperature 0 is greedy: top_k 1, logprobs under T = 1. max_tokens defaults to
 policy.generation.max_new_tokens and is cut to the room the sequence limit leaves; a prompt with no room left
@@ -41,6 +42,13 @@ class Result:
     outs: list[Generated]
 
 
+def with_environment(default: GenerationConfig, o) -> GenerationConfig:
+    """policy.generation with an environment's SamplingParams `o` over it (zero or empty: the default's)."""
+    return default.model_copy(update={k: v for k, v in dict(
+        max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+        stop_strings=list(o.stop_strings)).items() if v})
+
+
 def sampling(request: Sampled, budget: int | None, default: GenerationConfig, room: int) -> Sampling:
     temperature = default.temperature if request.temperature is None else request.temperature
     top_k = request.top_k if request.top_k not in (None, -1, 0) else default.top_k
@@ -64,7 +72,7 @@ class Generator:
         self.check(episode, prompt_ids)
         limit = episode.limits.max_sequence_tokens
         episode.calls += 1
-        params = sampling(request, budget, self.default, limit - len(prompt_ids))
+        params = sampling(request, budget, episode.sampling or self.default, limit - len(prompt_ids))
         if params.stop_strings:
             await asyncio.to_thread(check_stop_strings, self.engine.tokenizer, params.stop_strings)
         attributes = {"flywheel.worker": self.worker_id, "flywheel.route": route,

@@ -20,10 +20,11 @@ import ssl
 import uvicorn
 
 from services.common.config import FlywheelConfig
+from services.common.pb.flywheel.v1 import types_pb2
 from services.rollout.endpoint.app import make_app
 from services.rollout.endpoint.chat import Chat
 from services.rollout.endpoint.completions import Completions
-from services.rollout.endpoint.generation import Generator
+from services.rollout.endpoint.generation import Generator, with_environment
 from services.rollout.endpoint.sessions import Limits, Sessions
 from services.rollout.endpoint.trajectory import Trajectory
 from services.rollout.engines import Engine
@@ -73,12 +74,14 @@ class EndpointServer:
         log.info("OpenAI-compatible endpoint at %s", self.base_url)
         return self.base_url
 
-    def open_episode(self, metadata: dict | None = None,
-                     max_calls: int | None = None) -> tuple[str, str, str]:
-        """(session key, token, base URL for the OpenAI SDK) of a new episode."""
+    def open_episode(self, metadata: dict | None = None, max_calls: int | None = None,
+                     sampling: types_pb2.SamplingParams | None = None) -> tuple[str, str, str]:
+        """(session key, token, base URL for the OpenAI SDK) of a new episode. `sampling` (its environment's, as a
+        prompt group carries it): what the episode's calls sample with where they leave a field out."""
         limits = Limits(max_sequence_tokens=self.cfg.policy.max_total_sequence_length,
                         max_calls=max_calls or self.settings.max_calls)
-        episode = self.sessions.open(limits, metadata)
+        defaults = None if sampling is None else with_environment(self.cfg.policy.generation, sampling)
+        episode = self.sessions.open(limits, metadata, defaults)
         return episode.key, episode.token, f"{self.base_url}/sessions/{episode.key}/v1"
 
     def close_episode(self, key: str) -> Trajectory:

@@ -19,6 +19,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from prometheus_client import Gauge
 
+from services.common.config import GenerationConfig
 from services.rollout.endpoint.errors import ApiError
 from services.rollout.endpoint.recording import Recording
 from services.rollout.endpoint.trajectory import Trajectory
@@ -43,6 +44,9 @@ class Episode:
     limits: Limits
     metadata: dict[str, Any] = field(default_factory=dict)
     """The prompt group's (group id, prompt id, environment, ...) for the worker: kept, not read."""
+    sampling: GenerationConfig | None = None
+    """GenerationConfig whose values fill the sampling fields a call leaves out (its environment's `sampling` over
+    policy.generation); None: policy.generation's."""
     context: Any = None
     """The trace context current at open (the group's): each call's span is its child."""
     recording: Recording = field(default_factory=Recording)
@@ -55,9 +59,10 @@ class Sessions:
         self.episodes: dict[str, Episode] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
 
-    def open(self, limits: Limits, metadata: dict[str, Any] | None = None) -> Episode:
+    def open(self, limits: Limits, metadata: dict[str, Any] | None = None,
+             sampling: GenerationConfig | None = None) -> Episode:
         episode = Episode(key=secrets.token_hex(16), token=secrets.token_urlsafe(32), limits=limits,
-                          metadata=dict(metadata or {}), context=otel_context.get_current())
+                          metadata=dict(metadata or {}), sampling=sampling, context=otel_context.get_current())
         self.episodes[episode.key] = episode
         OPEN_EPISODES.set(len(self.episodes))
         return episode

@@ -6,6 +6,7 @@ decoded answer the agent scored."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -130,3 +131,35 @@ async def test_calls_after_the_episode_ended_are_refused_and_reach_no_other_epis
     assert statuses == ["410"] * (5 * G)
     assert [c.turns for c in second.completions] == [1] * G  # only its own agents' calls
     assert open_episodes() == 0
+
+
+async def test_generate_runs_a_failed_episode_again_and_fails_only_after_its_last_attempt(world, tmp_path):
+    """Generate's episodes (eval, collect, validation) are tried up to `attempts` times each. The oracles are the
+    agent's own: its marker of the crash it made, and its log of the model calls it made."""
+    groups, endpoint, engine, stub = world
+    await register(stub, "flaky", "--crash-first", str(tmp_path))  # each task's first episode crashes
+    flaky = prompt_group("flaky")
+    flaky.metadata.update({"crash_first": True})
+    completions = await groups.completions(flaky, endpoint, engine.version, engine.tokenizer.decode, attempts=3)
+    assert (tmp_path / "copy_3").exists() and len(completions) == G and all(c.token_ids for c in completions)
+    record = tmp_path / "calls.jsonl"
+    await register(stub, "always", "--fault", "crash", "--record", str(record))  # crashes after its model call
+    lone = prompt_group("always")
+    lone.num_generations = 1
+    with pytest.raises(AgentFailed) as err:
+        await groups.completions(lone, endpoint, engine.version, engine.tokenizer.decode, attempts=2)
+    assert err.value.reason == "crash" and len(record.read_text().splitlines()) == 2
+    assert open_episodes() == 0
+
+
+async def test_an_agents_calls_sample_with_its_environments_sampling_where_they_leave_it_out(world, tmp_path):
+    """The environment's max_new_tokens (1) over policy.generation's (3), as the built-in loop's turns take it;
+    the oracle is the agent's own log of the token ids each reply carried."""
+    groups, endpoint, engine, stub = world
+    record = tmp_path / "calls.jsonl"
+    await register(stub, "short", "--record", str(record))
+    group = prompt_group("short")
+    group.sampling.max_new_tokens = 1
+    await groups.run(group, endpoint, engine.version, "w")
+    lengths = [len(json.loads(line)["tokens"]) for line in record.read_text().splitlines()]
+    assert lengths == [1] * G

@@ -47,6 +47,17 @@ def test_summary_averages_pass_at_k_over_prompts_and_accuracy_over_samples():
     m = summarize(results, 2)
     assert m["validation/accuracy"] == 0.25 and m["validation/avg_length"] == 3.0
     assert m["validation/pass@2"] == 0.5 and m["validation/policy_version"] == 4
+    assert m["validation/failed_prompts"] == 0
+
+
+def test_a_failed_prompt_is_counted_and_left_out_and_all_failed_is_an_error():
+    good = PromptResult(prompt="a", rewards=[1.0, 0.0], lengths=[3, 5], version=4)
+    failed = PromptResult(prompt="b", error="FAILED_PRECONDITION: an agent episode failed 3 times: crash: exit 3")
+    m = summarize([good, failed], 2)
+    assert m["validation/accuracy"] == 0.5 and m["validation/num_prompts"] == 1
+    assert m["validation/failed_prompts"] == 1 and m["validation/pass@2"] == 1.0
+    with pytest.raises(RuntimeError, match="every one of 1 validation prompts failed.*crash: exit 3"):
+        summarize([failed], 2)
 
 
 def test_validation_schedule_follows_nemo_rl_keys():
