@@ -169,15 +169,34 @@ class ValidationLoop:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
-    def request(self, version: int) -> None:
+    async def request(self, version: int) -> None:
+        """Run a validation of `version` in the background, once; saved as requested first, so that a controller
+        killed before it is done runs it when it starts again (`resume`)."""
         if version in self.done:
             return
         self.done.add(version)
+        if self.state is not None:
+            await self.state.save_validating(version)
         task = asyncio.create_task(self._run(version))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def resume(self) -> None:
+        """The validations a killed controller requested and did not finish, now, with the weights rollout serves
+        now (validation/policy_version says which)."""
+        if self.state is not None:
+            for version in await self.state.load_validating():
+                log.info("validation of version %d was requested before the controller stopped: running it", version)
+                await self.request(version)
+
     async def _run(self, version: int) -> None:
+        try:
+            await self._validate(version)
+        finally:
+            if self.state is not None:
+                await self.state.forget_validating(version)
+
+    async def _validate(self, version: int) -> None:
         async with self._lock:
             try:
                 metrics, results = await self.validator.run()

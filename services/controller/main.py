@@ -304,7 +304,7 @@ class Controller(Replacements):
         self.workers[loaded.worker_id] = (loaded.version, time.monotonic())
         self.wake.set()
         if self.reporting is not None:
-            self.reporting.on_loaded(loaded.version)
+            await self.reporting.on_loaded(loaded.version)
 
     async def _on_step(self, msg) -> None:
         report = types_pb2.StepReport.FromString(msg.data)
@@ -424,6 +424,8 @@ async def serve(cfg: FlywheelConfig) -> None:
                           replay_pb2_grpc.ReplayServiceStub(channel(cfg.addresses.replay, security=cfg.security)))
     controller = Controller(cfg, bus, registry, reporting, state)
     await controller.resume()
+    if reporting.validation is not None:
+        await reporting.validation.resume()
     try:
         await run_service("controller", cfg.addresses.controller,
                           lambda server: controller_pb2_grpc.add_ControllerServiceServicer_to_server(

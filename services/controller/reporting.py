@@ -37,11 +37,11 @@ class Reporting:
                 log.warning("replay Stats failed: %s", err.code().name)
         self.tracker.log(metrics, report.step + 1)
         if self.validation is not None and self.cfg.grpo.validation_due(report.step + 1, report.final):
-            self.validation.request(report.step + 1)
+            await self.validation.request(report.step + 1)
 
-    def on_loaded(self, version: int) -> None:
+    async def on_loaded(self, version: int) -> None:
         if version == 0 and self.validation is not None and self.cfg.grpo.validation_due(0, final=False):
-            self.validation.request(0)
+            await self.validation.request(0)
 
     async def close(self) -> None:
         if self.validation is not None:

@@ -5,7 +5,9 @@
     SubmitEnvironment / RemoveEnvironment ──put / purge──▶ keys "env.<name>" (the spec as submitted)
     controller start ──get──▶ RunState, leases, submitted specs ──▶ same mix, same next target, each
                               dataset cursor at its offset (epoch included), stale groups still re-leasable
-    a validation of version v ──put──▶ key "validated.<v>" (its metrics) ──▶ the trainer ranks checkpoints by them
+    a validation of version v requested ──put──▶ key "validating.<v>" ──purge──▶ once it is done (or failed)
+                              done ──put──▶ key "validated.<v>" (its metrics) ──▶ the trainer ranks checkpoints by them
+    controller start ──get──▶ validations requested and not done ──▶ run now (with the weights rollout has then)
 
 Dataset cursors are one integer each (data/plan.py), so the state is small and a restarted
 controller leases exactly the prompts that come next, never the epoch's first ones again, and a
@@ -26,6 +28,7 @@ from services.common.pb.flywheel.v1 import controller_pb2, types_pb2
 KEY = "controller"
 LEASE = "lease."
 SUBMITTED = "env."
+VALIDATING = "validating."
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +110,17 @@ class StateStore:
     async def save_validated(self, version: int, metrics: dict[str, float]) -> None:
         """A validation's metrics, for the trainer to rank checkpoints by (checkpointing.metric_name val:...)."""
         await self.kv.put(f"{VALIDATED}{version}", json.dumps(metrics).encode())
+
+    async def save_validating(self, version: int) -> None:
+        """A validation requested: a controller killed before it is done runs it when it starts again."""
+        await self.kv.put(f"{VALIDATING}{version}", b"")
+
+    async def forget_validating(self, version: int) -> None:
+        await self.kv.purge(f"{VALIDATING}{version}")
+
+    async def load_validating(self) -> list[int]:
+        """Versions whose validation was requested and neither finished nor failed, oldest first."""
+        return sorted(int(key.removeprefix(VALIDATING)) for key in await self._values(VALIDATING))
 
     async def save(self, state: RunState) -> None:
         data = state.encode()
