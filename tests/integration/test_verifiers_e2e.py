@@ -23,7 +23,6 @@ openai and mcp packages), so the run is small: STEPS steps of the 4 tasks x 4 ep
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
@@ -37,23 +36,14 @@ from services.common.tokenizing import load_tokenizer_without_torch
 from services.environment.agents.verifiers_agent import DEFAULT_PYTHON
 from services.local import LocalStack
 from services.rollout.episodes import prompt_token_ids
-from tool_demos import direct_answer, supervise
+from verifiers_add import ENV_DIR, SEQ, TOOL, ask, rule, supervised_start
 
 pytestmark = pytest.mark.slow
 require(DEFAULT_PYTHON.exists(), "no .venv-verifiers: run `make verifiers`")
-ENV_DIR = Path(__file__).parent / "environment"  # verifiers_add_env.py
 TASKS = 4
 STEPS = 8
 LR = "3e-3"
-SEQ = 256
 PROMPT = re.compile(r"what is (\d+) \+ (\d+)\? use the add tool\.")
-TOOL = {"type": "function", "function": {  # what verifiers' chat program offers for verifiers_add_env's MCP tool
-    "name": "add_toolset_add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"title": "A", "type": "integer"},
-                                                    "b": {"title": "B", "type": "integer"}},
-                   "required": ["a", "b"], "title": "addArguments"}}}
-RIGHT_FRACTION = 0.5
-"""Of the supervised start's demonstrations, those that answer the sum; the others answer the first operand."""
 RISE = 0.15
 LEVEL = 0.75
 """The second half's mean reward (the last STEPS/2 steps, 64 episodes) must be RISE over the first half's and at
@@ -69,18 +59,6 @@ on its last step alone. Measured on 2 shared cores (2026-11-26/27), per step, fi
 0.48-0.72 it stayed at; the reward cannot pass 1, so the rise alone is a weak bar. From a 100-step start with 2 tasks x
 4 a step, lr 1e-3 stayed flat over 8 steps and lr 5e-3 lost the answer's EOS (replies of digit strings, reward near
 0); a start right on a quarter of its demonstrations rose too slowly (0.31 -> 0.59 over 8 steps)."""
-
-
-def _supervised_start(out: Path) -> Path:
-    def demo(tok, rng: random.Random):
-        a = rng.randrange(TASKS)
-        return direct_answer(tok, _ask(a), TOOL, str(2 * a + 2) if rng.random() < RIGHT_FRACTION else str(a))
-
-    return supervise(out, demo, steps=300, overrides=[f"policy.max_total_sequence_length={SEQ}"], threads=1)
-
-
-def _ask(a: int) -> str:
-    return f"what is {a} + {a + 2}? use the add tool."  # verifiers_add_env's prompt
 
 
 def _write(tmp_path: Path, model: Path) -> Path:
@@ -101,11 +79,6 @@ def _write(tmp_path: Path, model: Path) -> Path:
     return config
 
 
-def _rule(reply: str, a: int, b: int) -> float:
-    numbers = re.findall(r"-?\d+", reply)
-    return float(bool(numbers) and int(numbers[-1]) == a + b)
-
-
 def _last_reply(tokenizer, completion) -> str:
     """The completion's last run of generated tokens: the episode's final assistant message."""
     pairs = list(zip(completion.token_ids, completion.generated_mask))
@@ -114,7 +87,7 @@ def _last_reply(tokenizer, completion) -> str:
 
 
 def test_a_verifiers_environment_with_a_tool_trains_through_flywheel_up_and_its_reward_rises(tmp_path):
-    cfg = load_config(_write(tmp_path, _supervised_start(tmp_path / "model")))
+    cfg = load_config(_write(tmp_path, supervised_start(tmp_path / "model", TASKS)))
     assert cfg.policy.generation.endpoint.enabled  # turned on by the agent in the mix
     with LocalStack(cfg, tmp_path / "run") as stack:
         stack.start_services()
@@ -131,12 +104,12 @@ def test_a_verifiers_environment_with_a_tool_trains_through_flywheel_up_and_its_
             a, b = map(int, PROMPT.search(tokenizer.decode(g.prompt_token_ids)).groups())  # a taskset row's prompt
             seen_tasks.add((a, b))
             # the prompt the supervised start was trained on: the task with the tool verifiers offered
-            asked = [{"role": "user", "content": _ask(a)}]
+            asked = [{"role": "user", "content": ask(a)}]
             assert list(g.prompt_token_ids) == prompt_token_ids(tokenizer, asked, [TOOL])
             for c in g.completions:
                 reply = _last_reply(tokenizer, c)
                 assert (a, b, reply, c.reward) in episodes  # the reply verifiers got back, scored by its rubric
-                assert c.reward == _rule(reply, a, b)
+                assert c.reward == rule(reply, a, b)
                 rewards.setdefault(step, []).append(c.reward)
     assert len(seen_tasks) >= 2  # the controller walked the taskset, not one row
     by_step = [rewards[step] for step in sorted(rewards)]
