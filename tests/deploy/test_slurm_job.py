@@ -35,6 +35,7 @@ KILL_AFTER = 1  # steps done when replay and teacher replica 0 are killed
 K = 3  # the teacher's top-k
 """The tiny steps take tens of milliseconds: the steps after KILL_AFTER must outlast the killer's reaction, or
 it kills a replay the run no longer needs and the restarted one is never waited for."""
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def _job_states(env: dict, job_id: str) -> list[dict[str, str]]:
@@ -43,6 +44,17 @@ def _job_states(env: dict, job_id: str) -> list[dict[str, str]]:
                          check=True).stdout
     rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines() if line.strip()]
     return sorted(rows, key=lambda r: int(r.get("HetJobOffset", 0)))
+
+
+def _wait_for_job(env: dict, job_id: str, timeout_s: float) -> list[str]:
+    """Each component's final JobState, polled every second. Not `sbatch --wait`: it sleeps longer and longer between
+    its polls, and a job that ended just after one of them (about 43 s in) kept the test waiting ~30 s more."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [c["JobState"] for c in _job_states(env, job_id)]
+        if all(state in FINAL for state in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
 
 
 def _teacher_pids(run_dir: Path) -> dict[str, int]:
@@ -80,9 +92,9 @@ def _kill_after(run_dir: Path, steps: int, killed: list[str], teachers: dict, de
 
 
 def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str, during=None):
-    """make_sbatch.py --cpu for `config`, then sbatch --wait; `during(run_dir)` runs in a thread meanwhile. Returns
-    the job's id, the job's output, the components' log tails and the run dir; fails with all of them if the job
-    did not succeed."""
+    """make_sbatch.py --cpu for `config`, then sbatch and wait for the job; `during(run_dir)` runs in a thread
+    meanwhile. Returns the job's id, the job's output, the components' log tails and the run dir; fails with all of
+    them if the job did not succeed."""
     base = tmp_path / "tiny.yaml"
     base.write_text(yaml.safe_dump(config))
     job = tmp_path / "job.sbatch"
@@ -102,14 +114,16 @@ def _run_job(slurm_cluster: dict, tmp_path: Path, config: dict, *make_args: str,
     watcher = threading.Thread(target=during, args=(run_dir,), daemon=True) if during else None
     if watcher:
         watcher.start()
-    submit = subprocess.run(["sbatch", "--parsable", "--wait", str(job)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=840)
+    submit = subprocess.run(["sbatch", "--parsable", str(job)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    states = _wait_for_job(env, job_id, timeout_s=840)
     if watcher:
         watcher.join(timeout=1)
-    job_id = submit.stdout.strip().split(";")[0]
     out = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
-    assert submit.returncode == 0, f"{submit.stderr}\n{out}\n{logs}"
+    assert states == ["COMPLETED"] * len(states), f"{states}\n{out}\n{logs}"
     return job_id, out, logs, run_dir
 
 
