@@ -18,7 +18,8 @@
 #      with FLYWHEEL_REWARD_MODEL_GROUP (make_sbatch.py sets 3 when the config scores with env.reward_model),
 #      `flywheel serve reward_model` on that group's node, first (addresses.reward_model points at it);
 #      with FLYWHEEL_TEACHER_GROUP (make_sbatch.py sets it in a distillation run that names no teacher servers),
-#      teacher_task.sh per task of that group, before rollout (teacher.addresses lists every task's host:port);
+#      one srun step per teacher replica (teacher-0, teacher-1, ...: one task on one node of that group, running
+#      teacher_task.sh), before rollout (teacher.addresses lists every replica's host:port);
 #   5. wait: success when the trainer exits 0 (last step). A component that exits otherwise (a crash,
 #      kill -9, a lost node's step) is started again with the same command, as `flywheel up` does, after
 #      a back-off that doubles (1 s .. 16 s); more than run.max_restarts restarts of one component within
@@ -86,15 +87,19 @@ if [[ -n "$RM_GROUP" ]]; then
 fi
 
 # The teacher servers' het group (make_sbatch.py adds it in a distillation run whose teacher.addresses names no
-# servers): FLYWHEEL_TEACHER_PER_NODE tasks on each of its nodes, task i on FLYWHEEL_TEACHER_PORT_BASE + i.
+# servers): FLYWHEEL_TEACHER_PER_NODE replicas on each of its nodes, replica r of a node on
+# FLYWHEEL_TEACHER_PORT_BASE + r, each with FLYWHEEL_TEACHER_CPUS CPUs (the group's --cpus-per-task).
 TEACHER_GROUP=${FLYWHEEL_TEACHER_GROUP:-}
 TEACHER_PER_NODE=${FLYWHEEL_TEACHER_PER_NODE:-1}
+TEACHER_CPUS=${FLYWHEEL_TEACHER_CPUS:-1}
 export FLYWHEEL_TEACHER_PORT_BASE=${FLYWHEEL_TEACHER_PORT_BASE:-50057}
+TEACHER_NODES=()   # the group's Slurm node names
 TEACHER_OVERRIDES=()
 if [[ -n "$TEACHER_GROUP" ]]; then
   TEACHER_HOSTS=${FLYWHEEL_TEACHER_HOSTS:-$(hosts_of "$TEACHER_GROUP")}
+  TEACHER_NODES=($TEACHER_HOSTS)   # split on blanks and newlines: node names have neither
   teachers=()
-  for node in $TEACHER_HOSTS; do
+  for node in "${TEACHER_NODES[@]}"; do
     for (( r = 0; r < TEACHER_PER_NODE; r++ )); do
       teachers+=("'$(addr_of "$node"):$(( FLYWHEEL_TEACHER_PORT_BASE + r ))'")
     done
@@ -256,12 +261,23 @@ if [[ -n "$RM_GROUP" ]]; then
 fi
 
 # --- the teacher's group: its servers load their model while the others start; rollout's groups wait for them ---
-# --kill-on-bad-exit: a dead replica ends the step and the launcher restarts every replica (rollout retries its
-# calls on the live ones meanwhile), rather than leaving it dead until the others exit.
+# One step per replica, teacher-k, so a dead replica is restarted alone (rollout retries its calls on the others
+# meanwhile) and the others keep serving with their model loaded. Replica k runs on node k / PER_NODE as index
+# r = k % PER_NODE there, passed as FLYWHEEL_TEACHER_INDEX (SLURM_LOCALID is 0 in every one-task step): its port,
+# and its GPU where Slurm hands the step every GPU of the node. --exact: a step takes only its own CPUs (and GPU),
+# not the whole node's share of the allocation, which would hold the node's next step until this one ends;
+# --mem=0: it may use the job's memory on the node without reserving it, for the same reason.
 if [[ -n "$TEACHER_GROUP" ]]; then
-  TEACHER=(srun --het-group="$TEACHER_GROUP" --ntasks-per-node="$TEACHER_PER_NODE" --unbuffered --kill-on-bad-exit=1)
-  (( GPUS )) && TEACHER+=(--gpus-per-task=1)
-  start teacher "${TEACHER[@]}" bash "$FLYWHEEL_HOME/deploy/slurm/teacher_task.sh"
+  k=0
+  for node in "${TEACHER_NODES[@]}"; do
+    for (( r = 0; r < TEACHER_PER_NODE; r++, k++ )); do
+      TEACHER=(srun --het-group="$TEACHER_GROUP" --nodelist="$node" --nodes=1 --ntasks=1 --exact --mem=0
+               --cpus-per-task="$TEACHER_CPUS" --unbuffered)
+      (( GPUS )) && TEACHER+=(--gpus-per-task=1)
+      start "teacher-$k" "${TEACHER[@]}" env FLYWHEEL_TEACHER_INDEX="$r" \
+        bash "$FLYWHEEL_HOME/deploy/slurm/teacher_task.sh"
+    done
+  done
 fi
 
 start environment "${INFRA[@]}" "$FLYWHEEL_BIN" serve environment "telemetry.metrics_port=$(mport 2)" --config "$CONFIG"

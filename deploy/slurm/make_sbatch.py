@@ -14,7 +14,8 @@ Three components, one per het group (launch.sh starts each with `srun --het-grou
   3  reward model (only when the config scores with env.reward_model and names no server of its own in
               addresses.reward_model): 1 node, 1 GPU, `flywheel serve reward_model`
   3 or 4  teacher (only in a distillation run whose teacher.addresses names no servers): T nodes, one
-              `flywheel serve teacher` task per replica (teacher.num_replicas over T nodes), 1 GPU each;
+              `flywheel serve teacher` task per replica (teacher.num_replicas over T nodes), 1 GPU each, each
+              replica an srun step of its own (launch.sh restarts a dead one alone);
               the next group after the reward model's, or 3 without one
 With --cpu there are no GPU requests: the trainer runs G gloo ranks per node and rollout R workers per
 node, which is how the tests run the tiny model through a real Slurm.
@@ -92,12 +93,17 @@ def starts_reward_model(cfg: FlywheelConfig) -> bool:
     return cfg.uses_reward_model and cfg.addresses.reward_model == ServiceAddresses().reward_model
 
 
+def teacher_cpus(args: argparse.Namespace) -> int:
+    """CPUs per teacher replica: launch.sh gives each replica's own srun step (--exact) as many as the group asks."""
+    return 1 if args.cpu else args.rollout_cpus_per_gpu
+
+
 def teacher_group(args: argparse.Namespace, replicas: int) -> list[str]:
     """The teacher's het group: one task per replica, each on a GPU of its own (a replica runs whole in one process)."""
     per_node = replicas // args.teacher_nodes
-    gpu = ["--cpus-per-task=1"] if args.cpu else [f"--gpus-per-node={per_node}",
-                                                  f"--cpus-per-task={args.rollout_cpus_per_gpu}"]
-    return [f"--nodes={args.teacher_nodes}", f"--ntasks-per-node={per_node}", *gpu, f"--mem={args.rollout_mem}"]
+    gpu = [] if args.cpu else [f"--gpus-per-node={per_node}"]
+    return [f"--nodes={args.teacher_nodes}", f"--ntasks-per-node={per_node}", *gpu,
+            f"--cpus-per-task={teacher_cpus(args)}", f"--mem={args.rollout_mem}"]
 
 
 def directives(args: argparse.Namespace, job_name: str, reward_model: bool, teachers: int = 0) -> list[str]:
@@ -175,6 +181,7 @@ def render(args: argparse.Namespace, cfg: FlywheelConfig, argv: list[str]) -> st
     if teachers:  # the group after the reward model's
         env["FLYWHEEL_TEACHER_GROUP"] = str(3 + reward_model)
         env["FLYWHEEL_TEACHER_PER_NODE"] = str(teachers // args.teacher_nodes)
+        env["FLYWHEEL_TEACHER_CPUS"] = str(teacher_cpus(args))
     if args.venv:
         env["FLYWHEEL_VENV"] = str(Path(args.venv).resolve())
     home_line = (f"FLYWHEEL_HOME=${{FLYWHEEL_HOME:-{shlex.quote(str(home))}}}" if home else

@@ -1,8 +1,9 @@
 # Sourced by rollout_task.sh and teacher_task.sh. Where Slurm binds GPUs per task, a task sees exactly its own;
-# where it hands every task the step's GPUs of the node, task i (SLURM_LOCALID) takes entries i*N .. i*N+N-1,
-# so no two servers' models start on the same cuda:0.
-own_gpus() {  # N: the GPUs one task takes
-  local i=${SLURM_LOCALID:-0} n=$1 visible mine
+# where it hands every task the step's GPUs of the node, task i takes entries i*N .. i*N+N-1, so no two servers'
+# models start on the same cuda:0. i is SLURM_LOCALID (the task's index in a multi-task step) unless the caller
+# passes it: a teacher replica runs in a one-task step of its own, where SLURM_LOCALID is always 0.
+own_gpus() {  # N: the GPUs one task takes; I (optional): the task's index on its node
+  local n=$1 i=${2:-${SLURM_LOCALID:-0}} visible mine
   [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]] || return 0   # a CPU job: nothing set, nothing added
   IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
   (( ${#visible[@]} > n )) || return 0                # Slurm bound the task's GPUs itself
