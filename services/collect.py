@@ -19,12 +19,12 @@ task index, environment, messages and error, so that exactly those can be collec
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from services.common.config import FlywheelConfig
 from services.common.messages import message_to_dict, tools_to_dicts
 from services.common.data.to_gym import gym_rollout
+from services.common.jsonl import write_jsonl
 from services.evaluate import scored_on_a_stack
 
 
@@ -48,13 +48,6 @@ def failed_lines(prompts, results) -> list[dict]:
     return [{"task_index": task, "env_name": prompt.env_name,
              "messages": [message_to_dict(m) for m in prompt.messages], "error": result.error}
             for task, (prompt, result) in enumerate(zip(prompts, results, strict=True)) if result.error]
-
-
-def write_jsonl(path: Path, lines: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 def run_collect(cfg: FlywheelConfig, out: Path, run_dir: Path) -> tuple[int, int]:

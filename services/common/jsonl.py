@@ -1,4 +1,5 @@
-"""Reading the run's JSONL files (metrics, batches, validation, restarts) while their writer appends to them."""
+"""Reading the run's JSONL files (metrics, batches, validation, restarts) while their writer appends to them, and
+writing a JSONL file whole."""
 
 import json
 from pathlib import Path
@@ -13,3 +14,11 @@ def complete_rows(text: str) -> list[dict]:
 def read_rows(path: Path) -> list[dict]:
     """`complete_rows` of the file at `path`; none when it does not exist yet."""
     return complete_rows(path.read_text()) if path.is_file() else []
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """`rows` as the file at `path`, one JSON object a line, its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.jsonl import write_jsonl
 from services.common.data.offline import Dropped, OfflineKeys, preference_example, sft_example
 from services.common.data.offline_load import Drop, reason_kind
 from services.common.data.responses import chat_from_items, chat_tools, prompt_messages
@@ -138,13 +139,6 @@ def _pair(best: Rollout, worst: Rollout) -> dict:
                                                    {"rank": 1, "completion": ex.rejected}],
             **({"tools": ex.tools} if ex.tools else {}), "reward_chosen": best.reward, "reward_rejected": worst.reward,
             "source": f"{best.where} vs {worst.where}"}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def convert(path: Path, to: str, out: Path, *, min_reward: float, min_gap: float) -> list[str]:
