@@ -31,6 +31,7 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError, StaleConnectionError, UnexpectedEOF
 from nats.js.api import ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 
@@ -121,12 +122,19 @@ def nats_credentials(security: SecurityConfig) -> dict[str, str]:
     return out
 
 
+_LINK_ERRORS = (OSError, UnexpectedEOF, StaleConnectionError, SlowConsumerError)
+"""The connection's own failures, which nats-py handles by reconnecting (and resubscribing; JetStream redelivers
+what was unacked): a server that closed a slow consumer's connection (a flood on a subject it reads), a restart."""
+
+
 async def _on_error(err: Exception) -> None:
     """nats-py's handler of asynchronous errors, those of subscription callbacks included. A message that does
-    not decode is a stray or corrupt publisher's: a rate-limited warning, not a traceback per message. Anything
-    else is logged as nats-py's default handler does."""
+    not decode is a stray or corrupt publisher's: a rate-limited warning, not a traceback per message. A lost
+    connection is a warning too: nats-py reconnects. Anything else is logged as nats-py's default handler does."""
     if isinstance(err, DecodeError):
         _warn.warning("undecodable", "ignored an undecodable message: %s", err)
+    elif isinstance(err, _LINK_ERRORS):
+        _warn.warning("link", "nats connection: %r; reconnecting", err)
     else:
         logging.getLogger("nats.aio.client").error("nats: encountered error", exc_info=err)
 
