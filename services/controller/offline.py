@@ -22,7 +22,6 @@ from services.common.bus import Bus
 from services.common.config import FlywheelConfig
 from services.common.pb.flywheel.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from services.common.server import run_service
-from services.common.tokenizing import load_tokenizer_without_torch
 from services.controller import auth
 from services.controller.admission import leasable_targets
 from services.common.data.offline_tokens import OfflinePlan, group_id, group_of, load_plan
@@ -105,6 +104,9 @@ class OfflineServicer(controller_pb2_grpc.ControllerServiceServicer):
 
 async def serve_offline(cfg: FlywheelConfig, bus: Bus) -> None:
     """The controller's service for an offline run: the plan, its drops logged, then the publisher."""
+    # Imported here: transformers is 0.7 s of CPU at every controller's start, and a GRPO run never tokenizes.
+    from services.common.tokenizing import load_tokenizer_without_torch
+
     plan, _, lines = load_plan(cfg, load_tokenizer_without_torch(cfg.policy))
     for line in lines:
         log.info("%s", line)
