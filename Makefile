@@ -45,12 +45,13 @@ up: setup
 	$(VENV)/bin/flywheel up $(ARGS)
 
 # The system tools the tests drive (Slurm, Docker, buf) are installed and dockerd started by the wrapper.
-# Both phases run on two workers. tests/unit has no stacks; the system tests start whole stacks on free ports,
-# one file per worker (--dist loadfile), slow files first (tests/conftest.py), so a file's module-scoped stack
-# is started once and two stacks at most share the machine (every wait is on a deadline, none on a timing).
+# One session on two workers, one file per worker (--dist loadfile), slow files first (tests/conftest.py): a
+# file's module-scoped stack is started once, two stacks at most share the machine (every wait is on a deadline,
+# none on a timing), and the unit files, last, fill what the stacks leave idle (a separate unit phase first
+# cost its own start and left the machine 20-40% idle while the deploy tests waited on docker and pip).
 test: setup $(VERIFIERS_STAMP) gym-venv
-	tests/with_system_tools.sh sh -c '$(VENV)/bin/pytest -m "not gpu" -q -n 2 tests/unit $(ARGS) && \
-		$(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --no-loadscope-reorder --durations=0 --durations-min=5 --ignore=tests/unit $(ARGS)'
+	tests/with_system_tools.sh $(VENV)/bin/pytest -m "not gpu" -q -n 2 --dist loadfile --no-loadscope-reorder \
+		--durations=0 --durations-min=5 tests $(ARGS)
 
 # The GPU check (tests/gpu/README.md): stages with their own timeouts, one JSON line per check, a summary.
 # Installs the wheels carried in wheels/gpu first, if any; ARGS go to tests/gpu/run.py (--only, --timeout).
