@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from services.common.config import ConfigError, FlywheelConfig
+from services.common.jsonl import write_jsonl
 from services.common.pb.flywheel.v1 import rollout_pb2_grpc
 from services.common.server import channel
 from services.common.data import DataError, load_data
@@ -60,10 +61,8 @@ def scored_on_a_stack(cfg: FlywheelConfig, run_dir: Path):
 def run_eval(cfg: FlywheelConfig, run_dir: Path) -> dict[str, float]:
     _, metrics, results = scored_on_a_stack(cfg, run_dir)
     (run_dir / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    with (run_dir / "eval_samples.jsonl").open("w") as f:
-        for p in results:
-            f.write(json.dumps({"prompt": p.prompt, "rewards": p.rewards, "lengths": p.lengths}
-                               | ({"error": p.error} if p.error else {})) + "\n")
+    write_jsonl(run_dir / "eval_samples.jsonl", [{"prompt": p.prompt, "rewards": p.rewards, "lengths": p.lengths}
+                                                  | ({"error": p.error} if p.error else {}) for p in results])
     return metrics
 
 
