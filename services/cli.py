@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 import time
 
@@ -47,6 +48,9 @@ def cmd_serve(args) -> int:
         args.overrides = [*args.overrides, f"trainer.nproc_per_node={args.nproc_per_node}"]
     cfg = _config(args)
     setup_logging(args.service, cfg.run.name, cfg.telemetry.log_level)
+    # Before the service's imports: torch, vLLM and NCCL read some of them at import or at start, and the processes
+    # it starts (trainer ranks, vLLM's engine) inherit them.
+    os.environ.update({"rollout": cfg.rollout.env_vars, "trainer": cfg.trainer.env_vars}.get(args.service, {}))
     module = importlib.import_module(SERVE_MODULES[args.service])  # heavy imports happen here
     try:
         asyncio.run(module.serve(cfg))

@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from services.common.config_base import ConfigError, Section
 from services.common.config_data import DataConfig, EnvConfig, LoggerConfig, TokenizerConfig
@@ -28,6 +28,33 @@ from services.common.config_offline import OFFLINE, UNBOUNDED_STEPS, Algorithm, 
 from services.common.config_teacher import TeacherConfig, payload_problem
 from services.common.devices import config_problems
 from services.common.nemo_rl import translate
+
+
+LAUNCHER_ENV = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
+"""Variables the launchers set for each process (its devices, its place among the trainer's ranks)."""
+
+
+def _env_vars(value: Any) -> Any:
+    """NeMo RL's `env_vars` (null: none; numbers as YAML reads them: their text); a name the launchers set is
+    refused, since the service would then fight its launcher over it."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        return value  # pydantic reports the type
+    out = {}
+    for name, v in value.items():
+        if not isinstance(name, str) or not name.isidentifier() or not name.isascii():
+            raise ValueError(f"{name!r} is not an environment variable's name")
+        if name in LAUNCHER_ENV:
+            raise ValueError(f"{name} is set by the launchers for each process (devices, ranks); not by config")
+        if isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise ValueError(f"{name}: {v!r} is not a string or a number")
+        out[name] = str(v)
+    return out
+
+
+EnvVars = Annotated[dict[str, str], BeforeValidator(_env_vars)]
 
 
 class RunConfig(Section):
@@ -711,6 +738,9 @@ class RolloutConfig(Section):
     new prompt (docs/reliability.md)."""
     max_poisoned_groups: int = Field(10, ge=0)
     """Poisoned groups the run goes on past; one more and the controller stops the run, naming the last error."""
+    env_vars: EnvVars = Field(default_factory=dict)
+    """Set in each rollout process before it imports its engine, and so in vLLM's engine and worker processes
+    (NeMo RL's policy.generation.vllm_cfg.env_vars), e.g. VLLM_ATTENTION_BACKEND. They override the process's own."""
 
 
 class ControllerConfig(Section):
@@ -832,6 +862,10 @@ class TrainerConfig(Section):
     """Where the ranks compute: cpu (gloo between them) or cuda (local rank r on the r-th visible GPU, NCCL with
     gloo beside it for host tensors). Set, never guessed from the host, so a config runs alike everywhere;
     Megatron-Core runs on cuda whatever this says."""
+    env_vars: EnvVars = Field(default_factory=dict)
+    """Set in each trainer process before it imports torch, and so in every rank it starts (NeMo RL's
+    policy.dtensor_cfg.env_vars, or megatron_cfg.env_vars with Megatron), e.g. NCCL_* or PYTORCH_CUDA_ALLOC_CONF.
+    They override the process's own."""
 
 
 class FlywheelConfig(Section):

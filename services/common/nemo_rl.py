@@ -83,9 +83,6 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
     Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
          "the Hugging Face MoE layers as they are"),
-    Rule("policy.dtensor_cfg.env_vars", lambda v, _: not any((v or {}).values()), "environment variables for NeMo "
-         "RL's DTensor workers (an empty value, dpo.yaml's PYTORCH_CUDA_ALLOC_CONF, sets nothing): set them in the "
-         "trainer's own environment"),
     Rule("policy.dtensor_cfg.clear_cache_every_n_steps", any_, "emptying the CUDA cache: memory, not the math"),
     Rule("policy.lora_cfg.use_triton", any_, "a kernel choice (Triton or not); the LoRA math is the same"),
     Rule("policy.draft", off, "draft-model (speculative) training is not built"),
@@ -128,8 +125,6 @@ RULES: tuple[Rule, ...] = (
          "null); to choose one, set policy.generation.vllm_kwargs.distributed_executor_backend"),
     Rule("policy.generation.vllm_cfg.enable_prefix_caching", any_,
          f"{VLLM_ONLY} caches prefixes always; a cache changes speed, not the samples"),
-    Rule("policy.generation.vllm_cfg.env_vars", lambda v, _: not v,
-         "environment variables for NeMo RL's vLLM workers: set them in rollout's own environment"),
     Rule("policy.generation.vllm_cfg.skip_tokenizer_init", is_(False), "rollout's engine keeps its tokenizer: the "
          "endpoint renders chat templates and decodes with it"),
     Rule("policy.generation.vllm_cfg.http_server_serving_chat_kwargs.enable_auto_tools", is_(True), "the endpoint "
@@ -195,6 +190,8 @@ MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing":
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
          "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
          "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg",
+         "policy.dtensor_cfg.env_vars": "trainer.env_vars",
+         "policy.generation.vllm_cfg.env_vars": "rollout.env_vars",
          "policy.generation.vllm_cfg.expose_http_server": "policy.generation.endpoint.enabled",
          "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser": "policy.generation.tool_parser",
          "env.sliding_puzzle_game.cfg.game_config.size": "env.sliding_puzzle.size",
@@ -217,6 +214,8 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     async_rl.prepare(out, problems, notes)
     if get(out, "policy.generation.refit_transport") == "nixl":  # NeMo RL's NIXL refit is Flywheel's nixl channel
         _move(out, "policy.generation.refit_transport", "weight_sync.backend", problems)
+    if megatron.enabled(out):  # the workers of the backend that trains: Megatron's, else DTensor's (MOVES)
+        _move(out, "policy.megatron_cfg.env_vars", "trainer.env_vars", problems)
     fused_adam(get(out, "policy.optimizer"), problems, notes)
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)

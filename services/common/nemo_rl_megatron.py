@@ -80,8 +80,6 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{M}.mtp_*", any_, _with("mtp_num_layers")),
     Rule(f"{M}.peft", off, "Megatron-Core LoRA is not built (LoRA is the FSDP2 trainer's: policy.lora_cfg)"),
     Rule(f"{M}.fp8_cfg", off, "FP8 training is not built"),
-    Rule(f"{M}.env_vars", lambda v, _: not v,
-         "environment variables for NeMo RL's Megatron workers: set them in the trainer's own environment"),
     Rule(f"{M}.model_overrides", lambda v, _: not v,
          "Megatron model-provider overrides: set the model's attributes with policy.hf_config_overrides"),
     Rule(f"{M}.freeze_config", lambda v, _: not any((v or {}).values()),

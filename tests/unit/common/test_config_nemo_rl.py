@@ -281,3 +281,22 @@ def test_nemo_rls_nixl_refit_is_the_nixl_weight_channel():
     with pytest.raises(ConfigError, match="refit_cfg.nixl.backend_name: Flywheel cannot honour 'LIBFABRIC'"):
         load_config(CONFIGS / "grpo_math_8B_megatron_nixl.yaml",
                     [*EDITS, "policy.generation.refit_cfg.nixl.backend_name=LIBFABRIC"])
+
+
+def test_worker_env_vars_go_to_the_service_that_runs_those_workers():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [
+        *EDITS, "++policy.dtensor_cfg.env_vars.NCCL_DEBUG=WARN", "++policy.dtensor_cfg.env_vars.NCCL_NVLS_ENABLE=0",
+        "++policy.generation.vllm_cfg.env_vars.VLLM_ATTENTION_BACKEND=TRITON_ATTN"])
+    assert cfg.trainer.env_vars == {"NCCL_DEBUG": "WARN", "NCCL_NVLS_ENABLE": "0"}  # YAML's 0: its text
+    assert cfg.rollout.env_vars == {"VLLM_ATTENTION_BACKEND": "TRITON_ATTN"}
+    assert load_config(CONFIGS / "grpo_math_1B.yaml", EDITS).trainer.env_vars == {}  # NeMo RL's null: none
+
+
+@pytest.mark.parametrize("override, message", [
+    ("++policy.dtensor_cfg.env_vars.CUDA_VISIBLE_DEVICES=1", "CUDA_VISIBLE_DEVICES is set by the launchers"),
+    ("++policy.generation.vllm_cfg.env_vars.MASTER_PORT=1", "MASTER_PORT is set by the launchers"),
+    ("++policy.dtensor_cfg.env_vars.NCCL_DEBUG=[WARN]", "NCCL_DEBUG: ['WARN'] is not a string or a number"),
+])
+def test_an_env_var_the_launchers_own_or_that_is_no_string_is_refused(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, override])

@@ -26,6 +26,12 @@ def test_grpo_math_1b_megatron_loads_with_the_same_one_edit():
     assert all("megatron_cfg.enabled is false" not in why for _, why in notes)
 
 
+def test_megatron_workers_env_vars_go_to_the_trainer_and_dtensors_stay_inert():
+    cfg = load_config(MEGATRON, [*EDITS, "++policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
+                                 "++policy.dtensor_cfg.env_vars.NCCL_DEBUG=WARN"])
+    assert cfg.trainer.env_vars == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+
+
 @pytest.mark.parametrize("override, reason", [
     ("policy.megatron_cfg.context_parallel_size=2", "context parallelism is not built"),
     ("policy.megatron_cfg.expert_model_parallel_size=8", "dense GPT models"),
