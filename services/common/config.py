@@ -467,14 +467,20 @@ class LoRAConfig(Section):
 class TinyModelConfig(Section):
     """Shape of the locally built model used when `policy.model_name` is "tiny"."""
 
-    architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     """The Hugging Face class family: qwen2 adds q/k/v biases, qwen3 per-head q/k norms (its TP plan's
-    replicated_with_grad_allreduce layers)."""
+    replicated_with_grad_allreduce layers), qwen3_moe Qwen3's attention with a routed mixture of experts in every
+    layer (Qwen3-30B-A3B's shape, small)."""
     hidden_size: int = Field(64, gt=0)
     num_hidden_layers: int = Field(2, gt=0)
     num_attention_heads: int = Field(2, gt=0)
     """head_dim = hidden_size / heads = 32: vLLM's CPU attention refuses head_dim 16."""
     intermediate_size: int = Field(128, gt=0)
+    """The MLP's width; with qwen3_moe, each expert's (moe_intermediate_size)."""
+    num_experts: int = Field(4, gt=1)
+    """qwen3_moe only: experts per layer."""
+    num_experts_per_tok: int = Field(2, gt=0)
+    """qwen3_moe only: experts each token is routed to."""
 
 
 class VLLMConfig(Section):

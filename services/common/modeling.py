@@ -1,7 +1,7 @@
 """Load the policy and its tokenizer: a Hugging Face id, a local path, or the tiny local model.
 
 Only trainer and rollout import this module (it imports torch and transformers).
-"tiny" builds a small Llama- or Qwen2-style model with random weights and a
+"tiny" builds a small Llama-, Qwen2-, Qwen3- or Qwen3-MoE-style model with random weights and a
 character-level tokenizer, entirely offline: tests and the default local run use it.
 Any other name goes through `AutoModelForCausalLM.from_pretrained`, the same code a
 real checkpoint takes.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, Qwen3MoeConfig)
 
 from services.common.config import PolicyConfig
 from services.common.tokenizing import (PASSTHROUGH_TEMPLATE, TINY_CHARS, TINY_CHAT_TEMPLATE,  # noqa: F401 (re-exported)
@@ -28,13 +28,18 @@ def model_config(cfg: PolicyConfig, vocab_size: int) -> PretrainedConfig:
     applied: the trainer and both rollout engines build the model from it."""
     if cfg.model_name == "tiny":
         shape = cfg.tiny
-        config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[shape.architecture]
+        config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                      "qwen3_moe": Qwen3MoeConfig}[shape.architecture]
+        experts = {} if shape.architecture != "qwen3_moe" else dict(
+            num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
         config = config_cls(
             vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
             num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
             num_key_value_heads=shape.num_attention_heads, tie_word_embeddings=False,
             max_position_embeddings=max(256, cfg.max_total_sequence_length), pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, head_dim=shape.hidden_size // shape.num_attention_heads)  # Qwen3 would default to 128
+            eos_token_id=2, head_dim=shape.hidden_size // shape.num_attention_heads,  # Qwen3 would default to 128
+            **experts)
     else:
         config = AutoConfig.from_pretrained(cfg.model_name)
     apply_overrides(config, cfg.hf_config_overrides)

@@ -45,6 +45,26 @@ LOGPROBS_MODE = "processed_logprobs"
 """The engine's logprobs_mode: the mode in which both runners return what the wrapped stage gives them (their
 post-temperature logprobs), here taken before top-k/top-p filtering."""
 
+def redo_moe_packing(model: torch.nn.Module) -> int:
+    """Make the next reload process each MoE layer as the first load did; returns how many layers.
+
+    vLLM 0.32 reprocesses an unquantized MoE layer on a reload, but runs its experts' own step
+    (`moe_kernel.fused_experts.process_weights_after_loading`) only while it builds the kernel, at the first
+    load. On CPU that step prepacks the weights into the grouped-GEMM layout, so a reload would copy unpacked
+    values into the packed storage and the experts would compute with scrambled weights (token_mult_prob_error
+    ~1.5 against the trainer, tests/integration/rollout/test_moe.py). Without its kernel the layer is processed
+    as a new one, prepacking included, and the packed result is copied into the kernel's tensors. On CUDA the
+    kernel reads the layer's tensors as they are, which the reload updates in place (CUDA graphs keep their
+    addresses), so this is for CPU only."""
+    layers = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            layers += 1
+    return layers
+
+
 class FlywheelWorkerExtension:
     """Methods vLLM adds to its Worker; names carry a prefix so they cannot clash with the Worker's own."""
 
@@ -85,6 +105,10 @@ class FlywheelWorkerExtension:
         elif failure is not None:
             raise failure
         weights = [(n, t) for n, t in self.flywheel_staging.items() if n not in skip]
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            redo_moe_packing(self.model_runner.model)
         self.model_runner.reload_weights(weights_iterator=weights)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

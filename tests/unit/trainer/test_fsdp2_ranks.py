@@ -24,7 +24,8 @@ def _train_once(rank: int, out: str, overrides: list[str]) -> None:
     metrics = backend.train_step(batch, advantages)
     state = backend.full_state_dict()
     if rank == 0:
-        gate = backend.model.model.layers[0].mlp.gate_proj.weight
+        mlp = backend.model.model.layers[0].mlp
+        gate = mlp.gate_proj.weight if hasattr(mlp, "gate_proj") else mlp.experts.gate_up_proj  # MoE: [experts, ...]
         layer = backend.model.model.layers[0]
         adapters = {f"{m}.{ab}": getattr(getattr(layer.self_attn, m), ab).weight for m in ("q_proj", "o_proj")
                     for ab in ("lora_A", "lora_B") if hasattr(getattr(layer.self_attn, m), ab)}
@@ -54,8 +55,12 @@ def _offloaded(model: torch.nn.Module) -> bool | None:
                                     "policy.lora_cfg.enabled=true", "policy.lora_cfg.match_all_linear=true"],
                                    # masks some of the batch's samples; SGD as for tp2 (an embedding row's gradient
                                    # that the masked samples leave near zero is rounding, which Adam magnifies)
-                                   ["grpo.seq_logprob_error_threshold=20", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
-                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "tp2_qwen3", "lora", "tp2_lora", "seq_mask"])
+                                   ["grpo.seq_logprob_error_threshold=20", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"],
+                                   # Qwen3-MoE: the experts' fused tensors sharded over their first (expert) dim;
+                                   # SGD as for tp2 (3 of an expert's 65,536 weights differed by 3e-5 under Adam)
+                                   ["policy.tiny.architecture=qwen3_moe", "policy.optimizer={name: SGD, kwargs: {lr: 1.0}}"]],
+                         ids=["plain", "act_ckpt", "cpu_offload", "tp2", "tp2_qwen3", "lora", "tp2_lora", "seq_mask",
+                              "moe"])
 def test_two_gloo_ranks_give_the_same_updated_weights_as_one_rank(tmp_path, extra):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run_ranks(1, _train_once, one, OVERRIDES + [e for e in extra if "tensor_parallel" not in e])  # TP needs 2
