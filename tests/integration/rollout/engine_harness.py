@@ -70,6 +70,15 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], out: Generated, 
     return token_logprobs(logits[:, len(prompt) - 1:-1], ids[:, len(prompt):], temperature)[0]
 
 
+async def sample_and_score(engine: Engine, model: torch.nn.Module, prompt: list[int], sampling,
+                           n: int) -> tuple[list[Generated], torch.Tensor, torch.Tensor]:
+    """`n` completions of `prompt`, with the engine's logprobs and the trainer's under `model`, each concatenated."""
+    outs = await engine.generate([prompt] * n, sampling)
+    gen = torch.cat([torch.tensor(o.logprobs) for o in outs])
+    train = torch.cat([trainer_logprobs(model, prompt, o, sampling.temperature) for o in outs])
+    return outs, gen, train
+
+
 def token_mult_prob_error(gen: torch.Tensor, train: torch.Tensor) -> float:
     """NeMo RL's metric: mean over tokens of exp(|gen - train|); 1.0 is exact."""
     return torch.exp((gen.double() - train.double()).abs()).mean().item()

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
-from engine_harness import Trainer, policy, token_mult_prob_error, trainer_logprobs, until_generating
+from engine_harness import (Trainer, policy, sample_and_score, token_mult_prob_error, trainer_logprobs,
+                            until_generating)
 
 from services.common.config import load_config
 from services.rollout.engines import Sampling, make_engine
@@ -53,9 +54,7 @@ SETTINGS = {
 async def test_logprobs_match_the_trainers_for_every_sampling_setting(served, name):
     engine, _, _, model = served
     sampling, prompt = SETTINGS[name], _prompt(engine)
-    outs = await engine.generate([prompt] * 8, sampling)
-    gen = torch.cat([torch.tensor(o.logprobs) for o in outs])
-    train = torch.cat([trainer_logprobs(model, prompt, o, sampling.temperature) for o in outs])
+    outs, gen, train = await sample_and_score(engine, model, prompt, sampling, 8)
     assert len(gen) > 0 and not gen.isnan().any()
     error = token_mult_prob_error(gen, train)
     assert error <= PARITY, f"{name}: token_mult_prob_error {error:.4f}"

@@ -5,8 +5,7 @@ be what the engine samples with, so its logprobs match the trainer's."""
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_harness import Trainer, policy, token_mult_prob_error, trainer_logprobs
+from engine_harness import Trainer, policy, sample_and_score, token_mult_prob_error
 
 from services.common.config import load_config
 from services.rollout.engines import Sampling, make_engine
@@ -28,9 +27,7 @@ async def test_each_pushed_version_of_a_moe_policy_is_what_the_engine_samples_wi
         for version, seed in ((0, cfg.run.seed), (1, cfg.run.seed + 1)):  # the second reloads a loaded model
             model = policy(cfg, seed=seed)
             await trainer.push(engine, version, model)
-            outs = await engine.generate([prompt] * 4, sampling)
-            gen = torch.cat([torch.tensor(o.logprobs) for o in outs])
-            train = torch.cat([trainer_logprobs(model, prompt, o, sampling.temperature) for o in outs])
+            outs, gen, train = await sample_and_score(engine, model, prompt, sampling, 4)
             assert len(gen) > 0 and token_mult_prob_error(gen, train) <= PARITY, version
     finally:
         trainer.close()

@@ -5,8 +5,7 @@ matrix, so logprobs can match the trainer's only if both ranks loaded the weight
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_harness import Trainer, policy, token_mult_prob_error, trainer_logprobs
+from engine_harness import Trainer, policy, sample_and_score, token_mult_prob_error
 
 from services.common.config import load_config
 from services.rollout.engines import Sampling, make_engine
@@ -28,9 +27,7 @@ async def test_both_tp_ranks_take_each_version_and_generate_with_it():
             model = policy(cfg, seed=seed)
             result = await trainer.push(engine, version, model)  # one receiver: the worker, not each rank
             assert result.members_ok == ["tp"]
-            outs = await engine.generate([prompt] * 4, sampling)
-            gen = torch.cat([torch.tensor(o.logprobs) for o in outs])
-            train = torch.cat([trainer_logprobs(model, prompt, o, sampling.temperature) for o in outs])
+            outs, gen, train = await sample_and_score(engine, model, prompt, sampling, 4)
             assert len(gen) > 0 and token_mult_prob_error(gen, train) <= PARITY, version
             assert all(o.versions == [version] * len(o.token_ids) for o in outs)
     finally:
