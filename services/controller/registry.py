@@ -125,9 +125,11 @@ class Registry:
     async def generated(self, name: str, count: int, seed: int) -> list[types_pb2.PromptGroup]:
         """`count` prompts environment `name` generates from `seed`, each with the entry's max_turns and sampling."""
         entry = self.entries[name]
+        rows = []
+        for offset in range(0, count, CHUNK):  # as a cursor reads: a call answers at most 10,000 rows
+            rows += await self._prompts(name, min(CHUNK, count - offset), seed, offset)
         return [types_pb2.PromptGroup(env_name=name, messages=row.messages, tools=row.tools, metadata=row.metadata,
-                                      max_turns=entry.max_turns, sampling=entry.sampling)
-                for row in await self._prompts(name, count, seed, offset=0)]
+                                      max_turns=entry.max_turns, sampling=entry.sampling) for row in rows]
 
     async def _prompts(self, name: str, count: int, seed: int, offset: int) -> list[types_pb2.DatasetRow]:
         """Rows `offset`.. of the stream environment `name` generates from `seed`."""

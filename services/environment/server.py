@@ -37,6 +37,9 @@ Named = Environment | RemoteEnvironment | AgentEnvironment
 MAX_TIMEOUT_S = 86400.0
 """A remote's per-call deadline, at most. gRPC cannot represent one past ~292 years (inf, 1e10) and fails such
 a call at once with DEADLINE_EXCEEDED: every Prompts of the remote would have been UNAVAILABLE."""
+MAX_PROMPTS = 10_000
+"""Rows one Prompts call may ask for: 10,000 generated puzzles are ~1 s of CPU and a 6 MB answer here (100,000
+were 10 s, and over a minute on a host running two test suites). The controller asks for 256 at a time."""
 
 
 def decode_episodes(request: environment_pb2.StepRequest) -> tuple[list[list[dict]], list[dict]]:
@@ -205,12 +208,12 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         return environment_pb2.ListResponse(builtin_kinds=sorted(kinds), registered=self.sources)
 
     async def Prompts(self, request, context):
-        require(1 <= request.count <= 100_000, f"count must be in 1..100000, got {request.count}")
+        require(1 <= request.count <= MAX_PROMPTS, f"count must be in 1..{MAX_PROMPTS}, got {request.count}")
         require(request.offset >= 0, f"offset must be >= 0, got {request.offset}")
         env = self.resolve(request.env_name)
         if isinstance(env, AgentEnvironment):
             return await _agent_prompts(request.env_name, env, request)
         if isinstance(env, RemoteEnvironment):
             return await env.prompts(request)
-        # In a worker thread, as Step: 100,000 generated rows take seconds, and Step calls must not wait for them.
+        # In a worker thread, as Step: 10,000 generated rows take a second, and Step calls must not wait for them.
         return await asyncio.to_thread(_prompts, env, request)

@@ -17,6 +17,7 @@ from services.common.data import LoadedData, PromptSet
 from services.controller.main import resubmit, submit_data
 from services.controller.registry import Registry
 from services.controller.state import StateStore
+from services.environment.server import MAX_PROMPTS
 
 
 @pytest.fixture
@@ -187,3 +188,14 @@ async def test_an_environment_generates_validation_prompts_apart_from_its_traini
     assert held_out == await registry.generated("puzzle", 3, seed=7)  # the same seed, the same prompts
     training = [await registry.entries["puzzle"].cursor.next() for _ in range(3)]  # the run's seed, 0
     assert [p.messages for p in held_out] != [row.messages for _, row in training]
+
+
+async def test_many_validation_prompts_come_in_pieces_the_same_as_in_one_call(registry):
+    await registry.submit(controller_pb2.EnvironmentSpec(name="puzzle", kind="sliding_puzzle", weight=1.0))
+    pieces = await registry.generated("puzzle", MAX_PROMPTS + 1, seed=7)  # more than one call may ask for
+    whole = [r for count, offset in ((MAX_PROMPTS, 0), (1, MAX_PROMPTS)) for r in (await registry.env.Prompts(
+        environment_pb2.PromptsRequest(env_name="puzzle", count=count, seed=7, offset=offset))).rows]
+    assert [(p.messages, p.metadata) for p in pieces] == [(r.messages, r.metadata) for r in whole]
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # one call's limit: bounded work per request
+        await registry.env.Prompts(environment_pb2.PromptsRequest(env_name="puzzle", count=MAX_PROMPTS + 1))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"1..{MAX_PROMPTS}" in err.value.details()

@@ -51,6 +51,7 @@ from services.common.errors import InvalidArgument
 from services.common.pb.flywheel.v1 import (controller_pb2, environment_pb2, replay_pb2, rollout_pb2, trainer_pb2,
                                             types_pb2)
 from services.common.security import RUN_TOKEN_KEY
+from services.environment.server import MAX_PROMPTS
 from services.local import LocalStack, read_restarts
 from services.replay.ingest import REASON_HEADER
 from services.rollout.main import check_group
@@ -139,9 +140,9 @@ REGRESSIONS: dict[str, list[Case]] = {
         Case(environment_pb2.RegisterRequest(name="é" * 700_000, kind="toy_copy")),
     ],
     "environment.Prompts": [
-        # 100,000 puzzles generated and encoded on the event loop: ~10 s in which Step calls and health
-        # checks waited
-        Case(environment_pb2.PromptsRequest(env_name="sliding_puzzle", count=100_000)),
+        # 100,000 puzzles (then the most one call could ask for) generated and encoded on the event loop: ~10 s
+        # in which Step calls and health checks waited
+        Case(environment_pb2.PromptsRequest(env_name="sliding_puzzle", count=MAX_PROMPTS)),
     ],
     "controller.RemoveEnvironment": [
         Case(controller_pb2.RemoveEnvironmentRequest(name="\u202e" * 1_000_000)),
@@ -243,7 +244,7 @@ def _hints(fz: FuzzStack) -> dict:
         "flywheel.v1.SampleRequest.step": steps, "flywheel.v1.CommitRequest.step": steps,
         "prompts_per_step": st.just(cfg.grpo.num_prompts_per_step),
         "max_staleness": st.just(cfg.grpo.max_staleness),
-        "count": rarely(st.just(100_000), st.integers(1, 300), 1000), "offset": st.integers(0, 10**6),
+        "count": rarely(st.just(MAX_PROMPTS), st.integers(1, 300), 1000), "offset": st.integers(0, 10**6),
         "n": rarely(st.just(64), st.integers(1, 8), 20),
         "role": st.sampled_from(["user", "assistant", "system", "environment"]),
         "content": st.sampled_from(["copy 3", "3", "<action>up</action>", "\\boxed{2}", *NASTY[:10]]),
