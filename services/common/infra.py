@@ -23,10 +23,15 @@ from services.common.config_teacher import NATS_MAX_PAYLOAD
 
 _handed_out: set[int] = set()
 _rng = random.Random()  # its own generator: a run seeding `random` must not make two processes draw alike
+CLAIMS = Path(tempfile.gettempdir()) / "flywheel-ports"
+"""One file per port handed out on this host in the last CLAIM_S, so that other processes (a second test
+suite, another xdist worker, another `flywheel up`) do not hand out the same one before its child binds it."""
+CLAIM_S = 3600.0
 
 
 def free_port() -> int:
-    """A loopback TCP port that nothing listens on now, for a child process to bind; never the same twice here.
+    """A loopback TCP port that nothing listens on now, for a child process to bind; never the same twice here,
+    nor one another process on this host handed out in the last hour (_claim).
 
     Drawn below the kernel's ephemeral range, where bind(0) and outgoing connections take their ports, so an
     unrelated socket is unlikely to take it before the child binds it. (Asking bind(0) instead can hand out
@@ -42,9 +47,29 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if not _claim(port):
+            continue
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port found in 10000..{first_ephemeral}")
+
+
+def _claim(port: int) -> bool:
+    """Whether this process may hand out `port`: no other process on this host claimed it in the last CLAIM_S.
+    (Two suites at once once gave two stacks the same port, drawn free by both, and one child failed to bind.)
+    A stale claim is removed, and the port is left for a later draw."""
+    CLAIMS.mkdir(parents=True, exist_ok=True)
+    path = CLAIMS / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - path.stat().st_mtime >= CLAIM_S:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        return False
 
 
 def _first_ephemeral_port() -> int:
