@@ -58,18 +58,22 @@ def _claim(port: int) -> bool:
     """Whether this process may hand out `port`: no other process on this host claimed it in the last CLAIM_S.
     (Two suites at once once gave two stacks the same port, drawn free by both, and one child failed to bind.)
     A stale claim is removed, and the port is left for a later draw."""
-    CLAIMS.mkdir(parents=True, exist_ok=True)
     path = CLAIMS / str(port)
     try:
+        if not CLAIMS.is_dir():
+            CLAIMS.mkdir(parents=True, exist_ok=True)
+            CLAIMS.chmod(0o1777)  # as /tmp: every user's processes claim here, none removes another's claim
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         return True
     except FileExistsError:
         try:
             if time.time() - path.stat().st_mtime >= CLAIM_S:
                 path.unlink()
-        except FileNotFoundError:
+        except OSError:
             pass
         return False
+    except OSError:  # nowhere to claim (a read-only or foreign directory): the port as it was checked
+        return True
 
 
 def _first_ephemeral_port() -> int:
