@@ -18,8 +18,9 @@ A controller killed inside a unit redoes its intent first thing when it restarts
 saved with it: the same cursor offsets and the same keys draw the same prompts under the same group ids (each a
 function of the run's lease seed and of what the lease is for: step t's i-th prompt, the replacement of group g),
 so JetStream drops the copies already published, if they come within the work stream's duplicate window (an
-hour: bus.WORK_DEDUP_WINDOW_S); after it, rollout generates them again and replay drops them by id (docs/data.md). An event is acked after its unit, so a killed one is delivered again and finds
-its replacement leased. A unit that fails half done (a publish that fails for good) stops the controller, so its
+hour: bus.WORK_DEDUP_WINDOW_S); after it, rollout generates them again and replay drops them by id
+(docs/data.md). An event is acked after its unit, so a killed one is delivered again and finds its replacement
+leased. A unit that fails half done (a publish that fails for good) stops the controller, so its
 successor redoes it. tests/integration/test_controller_kills.py kills a controller at each of these points.
 """
 

@@ -45,8 +45,9 @@ LOGPROBS_MODE = "processed_logprobs"
 """The engine's logprobs_mode: the mode in which both runners return what the wrapped stage gives them (their
 post-temperature logprobs), here taken before top-k/top-p filtering."""
 
-def redo_moe_packing(model: torch.nn.Module) -> int:
-    """Make the next reload process each MoE layer as the first load did; returns how many layers.
+
+def redo_moe_packing(model: torch.nn.Module) -> None:
+    """Make the next reload process each MoE layer as the first load did.
 
     vLLM 0.32 reprocesses an unquantized MoE layer on a reload, but runs its experts' own step
     (`moe_kernel.fused_experts.process_weights_after_loading`) only while it builds the kernel, at the first
@@ -56,13 +57,10 @@ def redo_moe_packing(model: torch.nn.Module) -> int:
     as a new one, prepacking included, and the packed result is copied into the kernel's tensors. On CUDA the
     kernel reads the layer's tensors as they are, which the reload updates in place (CUDA graphs keep their
     addresses), so this is for CPU only."""
-    layers = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None
-            layers += 1
-    return layers
 
 
 class FlywheelWorkerExtension:
