@@ -12,10 +12,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy, token_logprobs
 from services.common.weights import SyncResult, WeightSender
-from services.rollout.engines import Engine, Generated
+from services.rollout.engines import Engine, Generated, Sampling, make_engine
+from services.rollout.episodes import prompt_token_ids
 
 
 SHARPEN = 40.0
+PARITY = 1.05
+"""NeMo RL's bar on token_mult_prob_error (grpo_topp_topk, grpo_non_colocated): at most this, the engine sampled
+with the weights the trainer pushed."""
 
 
 @torch.no_grad()
@@ -77,6 +81,29 @@ async def sample_and_score(engine: Engine, model: torch.nn.Module, prompt: list[
     gen = torch.cat([torch.tensor(o.logprobs) for o in outs])
     train = torch.cat([trainer_logprobs(model, prompt, o, sampling.temperature) for o in outs])
     return outs, gen, train
+
+
+async def push_two_versions_and_check_parity(cfg: FlywheelConfig,
+                                             worker_id: str) -> list[tuple[SyncResult, list[Generated]]]:
+    """Start `cfg`'s engine, push two versions of the policy into it (the second reloads a loaded model) and
+    sample each: the engine's logprobs must match the trainer's under the version just pushed."""
+    engine = make_engine(cfg, worker_id)
+    trainer = Trainer(worker_id)
+    pushed = []
+    try:
+        await engine.start()
+        prompt = prompt_token_ids(engine.tokenizer, [{"role": "user", "content": "copy 3"}])
+        sampling = Sampling(max_new_tokens=12, temperature=0.8)
+        for version in (0, 1):
+            model = policy(cfg, seed=cfg.run.seed + version)
+            result = await trainer.push(engine, version, model)
+            outs, gen, train = await sample_and_score(engine, model, prompt, sampling, 4)
+            assert len(gen) > 0 and token_mult_prob_error(gen, train) <= PARITY, version
+            pushed.append((result, outs))
+    finally:
+        trainer.close()
+        await engine.close()
+    return pushed
 
 
 def token_mult_prob_error(gen: torch.Tensor, train: torch.Tensor) -> float:

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import Trainer, policy, token_mult_prob_error, trainer_logprobs
+from engine_harness import PARITY, Trainer, policy, token_mult_prob_error, trainer_logprobs
 
 from services.common.config import load_config
 from services.common.modeling import load_policy
 from services.rollout.engines import Sampling, make_engine
 from services.rollout.episodes import prompt_token_ids
-
-PARITY = 1.05
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])

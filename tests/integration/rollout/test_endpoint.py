@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from engine_harness import Trainer, policy, token_mult_prob_error
+from engine_harness import PARITY, Trainer, policy, token_mult_prob_error
 from openai import AsyncOpenAI, AuthenticationError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -26,7 +26,6 @@ from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 EXAMPLE = Path(__file__).parents[3] / "examples" / "agent_calculator.py"
-PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error
 LIMIT = 160
 # The tiny template, with assistant turns closed by EOS as real chat templates close them (<|im_end|>,
 # <|eot_id|>), and past assistant turns rendered otherwise than the model wrote them ([...] here; Qwen3's

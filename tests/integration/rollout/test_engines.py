@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
-from engine_harness import (Trainer, policy, sample_and_score, token_mult_prob_error, trainer_logprobs,
+from engine_harness import (PARITY, Trainer, policy, sample_and_score, token_mult_prob_error, trainer_logprobs,
                             until_generating)
 
 from services.common.config import load_config
@@ -18,7 +18,6 @@ from services.rollout.episodes import prompt_token_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 BACKENDS = ("vllm", "hf")
-PARITY = 1.05  # NeMo RL's bar on token_mult_prob_error (grpo_topp_topk, grpo_non_colocated)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=BACKENDS)
