@@ -369,6 +369,11 @@ def _yaml_numbers(kwargs: Any) -> Any:
     return {k: number(v) for k, v in kwargs.items()}
 
 
+LOW_PRECISION_ADAM_KWARGS = {"lr", "betas", "eps", "weight_decay"}
+"""What Adam with low-precision moments takes (services/trainer/optim.py): torch's amsgrad, foreach, fused, ... are not
+built there."""
+
+
 class OptimizerConfig(Section):
     """NeMo RL `policy.optimizer`: a torch optimizer by name and the keyword arguments it takes."""
 
@@ -376,6 +381,10 @@ class OptimizerConfig(Section):
     """A class of torch.optim, dotted as NeMo RL writes it (torch.optim.AdamW) or bare (AdamW)."""
     kwargs: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
     """Passed to the optimizer's constructor; `lr` is required and > 0."""
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Flywheel: the dtype Adam and AdamW keep their two moments in. bfloat16 halves their memory (4 bytes a
+    parameter instead of 8), each update still computed in float32, as Transformer Engine's FusedAdam with
+    exp_avg_dtype and exp_avg_sq_dtype torch.bfloat16, to which NeMo RL's configs map (nemo_rl_optim.py)."""
 
     @field_validator("kwargs", mode="before")
     @classmethod
@@ -387,6 +396,18 @@ class OptimizerConfig(Section):
         lr = self.kwargs.get("lr")
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
             raise ValueError(f"kwargs.lr must be a number > 0, got {lr!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _low_precision_moments(self) -> OptimizerConfig:
+        if self.moments_dtype == "float32":
+            return self
+        if self.name.rsplit(".", 1)[-1] not in ("Adam", "AdamW"):
+            raise ValueError(f"moments_dtype {self.moments_dtype} is Adam's and AdamW's, not {self.name}'s")
+        odd = sorted(set(self.kwargs) - LOW_PRECISION_ADAM_KWARGS)
+        if odd:
+            raise ValueError(f"moments_dtype {self.moments_dtype} takes kwargs {sorted(LOW_PRECISION_ADAM_KWARGS)}, "
+                             f"not {odd}")
         return self
 
 
@@ -614,6 +635,9 @@ class PolicyConfig(Section):
                              "megatron_cfg.tensor_model_parallel_size")
         if self.lora_cfg.enabled and self.megatron_cfg.enabled:
             raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
+        if self.megatron_cfg.enabled and self.optimizer.moments_dtype != "float32":
+            raise ValueError("optimizer.moments_dtype is the FSDP2 backend's; megatron-core keeps low-precision "
+                             "moments only in Transformer Engine's FusedAdam, which nothing here installs")
         if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
             raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
                              "entropy does not take it")

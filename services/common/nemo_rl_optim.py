@@ -20,8 +20,6 @@ FUSED_ONLY = {
     "master_weights": (lambda v: True, "the FSDP2 trainer keeps float32 parameters and steps on them"),
     "store_param_remainders": (lambda v: True, "the FSDP2 trainer keeps float32 parameters and steps on them"),
     "master_weight_dtype": (lambda v: v in FLOAT32, "the FSDP2 trainer keeps float32 parameters"),
-    "exp_avg_dtype": (lambda v: v in FLOAT32, "torch's Adam keeps its moments in the parameters' float32"),
-    "exp_avg_sq_dtype": (lambda v: v in FLOAT32, "torch's Adam keeps its moments in the parameters' float32"),
     "capturable": (lambda v: True, "CUDA-graph capture: speed, not the step"),
     "set_grad_none": (lambda v: True, "how gradients are cleared: not the step"),
     "use_decoupled_grad": (lambda v: True, "where gradients are read from: not the step"),
@@ -29,8 +27,15 @@ FUSED_ONLY = {
 """FusedAdam keywords torch's Adam lacks: (accepted at this value, why)."""
 
 
+MOMENTS = {"torch.float32": "float32", "float32": "float32", None: "float32",
+           "torch.bfloat16": "bfloat16", "bfloat16": "bfloat16"}
+"""FusedAdam's exp_avg_dtype / exp_avg_sq_dtype -> policy.optimizer.moments_dtype. Its float16 and uint8 (FP8)
+moments are kept scaled by a per-tensor factor, which Flywheel's Adam does not build."""
+
+
 def fused_adam(opt: Any, problems: list[Problem], notes: list[Problem]) -> None:
-    """policy.optimizer naming a fused Adam -> torch.optim.AdamW or Adam with the keywords torch takes."""
+    """policy.optimizer naming a fused Adam -> torch.optim.AdamW or Adam with the keywords torch takes, its moments'
+    dtype -> policy.optimizer.moments_dtype."""
     name = opt.get("name") if isinstance(opt, dict) else None
     if not isinstance(name, str) or not name.startswith(FUSED_ADAM) or not name.endswith(".FusedAdam"):
         return
@@ -39,8 +44,21 @@ def fused_adam(opt: Any, problems: list[Problem], notes: list[Problem]) -> None:
     for key, (ok, why) in FUSED_ONLY.items():
         if key in kwargs and not ok(value := kwargs.pop(key)):
             problems.append((f"policy.optimizer.kwargs.{key}", f"Flywheel cannot honour {value!r}: {why}"))
+    moments = {key: kwargs.pop(key, None) for key in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+    for key, value in moments.items():
+        if value not in MOMENTS:
+            problems.append((f"policy.optimizer.kwargs.{key}", f"Flywheel cannot honour {value!r}: Adam's moments "
+                             "are kept in float32 or bfloat16 (policy.optimizer.moments_dtype)"))
+    dtypes = {MOMENTS[v] for v in moments.values() if v in MOMENTS}
+    if len(dtypes) > 1:
+        problems.append(("policy.optimizer.kwargs.exp_avg_sq_dtype", f"Flywheel cannot honour {moments}: both "
+                         "moments are kept in one dtype (policy.optimizer.moments_dtype)"))
+    elif dtypes == {"bfloat16"}:
+        opt["moments_dtype"] = "bfloat16"
     opt["kwargs"] = kwargs
-    notes.append(("policy.optimizer.name", f"accepted as {opt['name']}: {name} takes the same step in one kernel"))
+    moments = " with bfloat16 moments" if opt.get("moments_dtype") == "bfloat16" else ""
+    notes.append(("policy.optimizer.name",
+                  f"accepted as {opt['name']}{moments}: {name} takes the same step in one kernel"))
 
 
 def megatron_optimizer(opt: dict, problems: list[Problem]) -> dict:

@@ -92,7 +92,7 @@ def test_the_schedule_follows_megatron_cores_own_scheduler(style, warmup, decay)
         reference.step(increment=1)
 
 
-def test_a_fused_adam_is_torchs_adamw_and_its_bfloat16_moments_are_refused():
+def test_a_fused_adam_is_torchs_adamw_with_its_moments_dtype():
     te = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
     cfg, notes = load(CONFIGS / "grpo_math_1B.yaml", [
         *EDITS, f"policy.optimizer.name={te}", "++policy.optimizer.kwargs.master_weights=true",
@@ -102,6 +102,15 @@ def test_a_fused_adam_is_torchs_adamw_and_its_bfloat16_moments_are_refused():
     assert load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "policy.optimizer.name=apex.optimizers.FusedAdam",
                                                        "++policy.optimizer.kwargs.adam_w_mode=false"]
                        ).policy.optimizer.name == "torch.optim.Adam"
-    with pytest.raises(ConfigError, match=r"policy.optimizer.kwargs.exp_avg_dtype: .*moments in the parameters"):
+    assert cfg.policy.optimizer.moments_dtype == "float32"
+    bf16 = load_config(CONFIGS / "grpo_math_1B.yaml", [
+        *EDITS, f"policy.optimizer.name={te}", "++policy.optimizer.kwargs.exp_avg_dtype=torch.bfloat16",
+        "++policy.optimizer.kwargs.exp_avg_sq_dtype=torch.bfloat16"]).policy.optimizer
+    assert bf16.moments_dtype == "bfloat16" and not {"exp_avg_dtype", "exp_avg_sq_dtype"} & set(bf16.kwargs)
+    with pytest.raises(ConfigError, match=r"policy.optimizer.kwargs.exp_avg_sq_dtype: .*one dtype"):
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, f"policy.optimizer.name={te}",
                                                     "++policy.optimizer.kwargs.exp_avg_dtype=torch.bfloat16"])
+    with pytest.raises(ConfigError, match=r"policy.optimizer.kwargs.exp_avg_dtype: .*'torch.uint8'.*float32 or"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, f"policy.optimizer.name={te}",
+                                                    "++policy.optimizer.kwargs.exp_avg_dtype=torch.uint8",
+                                                    "++policy.optimizer.kwargs.exp_avg_sq_dtype=torch.uint8"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.common.config import ConfigError, load_config
-from services.trainer.optim import build_optimizer, build_scheduler
+from services.trainer.optim import AdamLowPrecisionMoments, build_optimizer, build_scheduler
 
 WARMUP = ("policy.scheduler=[{name: torch.optim.lr_scheduler.LinearLR, kwargs: {start_factor: 0.1, end_factor: 1.0, "
           "total_iters: 4}}, {name: torch.optim.lr_scheduler.ConstantLR, kwargs: {factor: 1.0, total_iters: 1000}}, "
@@ -48,6 +48,8 @@ def test_no_scheduler_keeps_lr_constant_and_optimizer_kwargs_are_used():
     "policy.optimizer={name: torch.optim.AdamW, kwargs: {weight_decay: 0.1}}",  # no lr
     "policy.optimizer.name=os.system",
     "policy.scheduler=[{name: torch.optim.lr_scheduler.LinearLR}, {name: torch.optim.lr_scheduler.ConstantLR}]",
+    "policy.optimizer={name: SGD, kwargs: {lr: 0.1}, moments_dtype: bfloat16}",  # SGD has no moments
+    "policy.optimizer={name: AdamW, kwargs: {lr: 0.1, amsgrad: true}, moments_dtype: bfloat16}",  # not built
 ])
 def test_bad_optimizer_or_scheduler_is_a_config_error(override):
     with pytest.raises(ConfigError):
@@ -60,3 +62,55 @@ def test_yaml_1_1_exponents_without_a_dot_are_numbers():
                                                                   "{start_factor: 1e-1, total_iters: 2}}]"])
     assert cfg.policy.optimizer.kwargs["lr"] == 5e-6
     assert cfg.policy.scheduler[0].kwargs["start_factor"] == 0.1
+
+
+KWARGS = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def _steps(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, grads: torch.Tensor,
+           round_moments: bool = False) -> list[torch.Tensor]:
+    """The parameter after each step of `grads`; `round_moments` rounds torch's own moments to bfloat16 after each
+    step, the slow reference for bfloat16 moments."""
+    out = []
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+        if round_moments:
+            for state in optimizer.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(state[key].bfloat16())
+        out.append(param.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_with_float32_moments_steps_as_torchs_adam(decoupled):
+    """The oracle for the update itself: torch's Adam / AdamW on the same gradients, bit for bit."""
+    grads = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    start = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    reference = (torch.optim.AdamW if decoupled else torch.optim.Adam)([theirs], **KWARGS)
+    mine = AdamLowPrecisionMoments([ours], decoupled=decoupled, moments_dtype=torch.float32, **KWARGS)
+    assert [torch.equal(a, b) for a, b in zip(_steps(mine, ours, grads), _steps(reference, theirs, grads))] == [True] * 6
+
+
+def test_bfloat16_moments_are_stored_in_bfloat16_and_step_as_torchs_adamw_with_its_moments_rounded():
+    """moments_dtype bfloat16 from the config: the moments take half the memory, and each step is torch's AdamW
+    whose moments are rounded to bfloat16 after every step (the update itself in float32)."""
+    cfg = load_config(None, ["policy.optimizer={name: torch.optim.AdamW, kwargs: {lr: 0.01, betas: [0.9, 0.99], "
+                             "weight_decay: 0.1}, moments_dtype: bfloat16}"])
+    grads = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    start = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    mine = build_optimizer([ours], cfg.policy.optimizer)
+    got = _steps(mine, ours, grads)
+    want = _steps(torch.optim.AdamW([theirs], **KWARGS), theirs, grads, round_moments=True)
+    assert {mine.state[ours][k].dtype for k in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    unrounded = _steps(torch.optim.AdamW([p := torch.nn.Parameter(start.clone())], **KWARGS), p, grads)
+    assert not torch.equal(got[-1], unrounded[-1])  # the rounding is there: float32 moments step elsewhere
+
+
+def test_bfloat16_moments_are_the_fsdp2_trainers():
+    with pytest.raises(ConfigError, match="moments_dtype is the FSDP2 backend's"):
+        load_config(None, ["policy.megatron_cfg.enabled=true", "policy.optimizer.moments_dtype=bfloat16"])
