@@ -1,7 +1,7 @@
 """Stage `fsdp2`: one FSDP2 step in bf16 on a Qwen2-0.5B-shaped random model, on one GPU (one NCCL rank).
 
-Activation checkpointing on, the reference policy offloaded to host memory (the backend does that on CUDA when
-the KL penalty asks for a reference), and `full_state_dict` checked against the manifest the rollout side
+Activation checkpointing on, Adam's moments in bfloat16 (policy.optimizer.moments_dtype), the reference policy
+offloaded to host memory (the backend does that on CUDA when the KL penalty asks for a reference), and `full_state_dict` checked against the manifest the rollout side
 derives without any weights (`hf_manifest` of the meta-device model, what the vLLM engine announces against):
 same names, order, shapes and dtypes, so the first sync's digest matches. A second check steps with
 policy.cpu_offload (FSDP2's CPUOffloadPolicy: gradients and the optimizer on the host, the group NCCL).
@@ -102,8 +102,10 @@ def _free(backend) -> None:
 
 
 def test_fsdp2_bf16_step_with_checkpointing_and_offloaded_reference_publishes_the_rollout_manifest(figures):
+    import torch
+
     device = need_device()
-    cfg = _config("loss_fn.reference_policy_kl_penalty=0.01")
+    cfg = _config("loss_fn.reference_policy_kl_penalty=0.01", "policy.optimizer.moments_dtype=bfloat16")
     start = time.perf_counter()
     backend = _backend(cfg)
     figures["build_s"] = round(time.perf_counter() - start, 1)
@@ -116,6 +118,9 @@ def test_fsdp2_bf16_step_with_checkpointing_and_offloaded_reference_publishes_th
         assert ref == {"cpu"} and policy == {"cuda"}, (ref, policy)
     before = backend.full_state_dict()["model.layers.0.mlp.down_proj.weight"].float().cpu()
     metrics = _step(backend, cfg, figures)
+    moments = {(_local(t).dtype, _local(t).device.type) for state in backend.optimizer.state.values()
+               for key, t in state.items() if key.startswith("exp_avg")}
+    assert moments == {(torch.bfloat16, device)}, moments  # NeMo RL's FusedAdam exp_avg_dtype bfloat16
     figures["kl_penalty"] = metrics["kl_penalty"]
     assert math.isfinite(metrics["kl_penalty"]), metrics
     _check_published(backend, cfg, before, figures)
