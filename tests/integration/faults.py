@@ -66,6 +66,21 @@ def state(pid: int) -> str | None:
     return next(iter(_stat(pid)), None)
 
 
+def threads_stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is in state T. A SIGSTOP stops a process's threads one by one: the thread
+    that takes the signal stops the others, and until it runs (on a loaded host, a while) the others go on, so a
+    Go server's network thread can still answer after kill() returned."""
+    states = [state(int(tid.name)) for tid in Path(f"/proc/{pid}/task").glob("*")]
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
+def stop(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP `pid` and return once all its threads are stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    if not _until(lambda: threads_stopped(pid), timeout_s, 0.01):
+        raise TimeoutError(f"pid {pid} was not stopped {timeout_s} s after SIGSTOP")
+
+
 def _argv(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]

@@ -13,6 +13,7 @@ import signal
 
 import nats.errors
 import pytest
+from faults import stop
 
 from services.common.bus import Bus
 from services.common.pb.flywheel.v1 import types_pb2
@@ -37,7 +38,7 @@ async def _stored_before_a_marker(bus: Bus) -> int:
 
 async def test_a_deduplicated_publish_whose_ack_times_out_is_sent_again_and_stored_once(nats_server):
     bus, group = await _connect(nats_server)
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    stop(nats_server.proc.pid)
     try:
         publish = asyncio.create_task(bus.publish(bus.subjects.work, group, msg_id="g-1"))
         await asyncio.sleep(3 * ACK_TIMEOUT_S)  # the first sends time out unanswered; a later one is acked
@@ -50,8 +51,9 @@ async def test_a_deduplicated_publish_whose_ack_times_out_is_sent_again_and_stor
 
 async def test_a_publish_without_an_id_raises_its_timeout_rather_than_risk_a_copy(nats_server):
     bus, group = await _connect(nats_server)
-    # The server stays stopped until the publish has raised, so no ack can race its timer.
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    # The server is stopped, every thread of it, before the publish is sent and until it has raised, so no ack
+    # can race its timer (a SIGSTOP alone let a thread of nats-server ack once, under two suites at once).
+    stop(nats_server.proc.pid)
     try:
         with pytest.raises(nats.errors.TimeoutError):
             await bus.publish(bus.subjects.work, group)
