@@ -10,6 +10,7 @@ alternative named, and a sync tried anyway must come back within its deadline, i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -71,21 +72,24 @@ def test_nixl_moves_gpu_weights_to_a_second_process_on_the_same_gpu(tmp_path, fi
 
 def test_config_check_refuses_nccl_between_processes_on_one_gpu(tmp_path, figures):
     """DESIGN.md, Devices: a combination that cannot work is refused when the config is checked, with the
-    alternative named. One GPU, the trainer and one vLLM worker, nccl: refused (they would share the device).
-    The vLLM engine is named so that the refusal is the device rule's, not nccl-with-the-hf-engine's; checking
-    the config imports no vLLM. (On the CPU dry run: no GPU at all, which must be refused too.)"""
+    alternative named. One GPU, the trainer on it and one vLLM worker, nccl: refused because they would share the
+    device. The vLLM engine and trainer.device=cuda are named so that the refusal is the device rule's, not
+    nccl-with-the-hf-engine's or nccl-with-a-CPU-trainer's (the first two GPU runs passed on the latter, the
+    wrong reason); checking the config imports no vLLM. On the CPU dry run CUDA_VISIBLE_DEVICES=0 stands for the
+    one GPU, so the same rule is checked there."""
     if need_device() == "cuda" and cuda_count() > 1:
         pytest.skip("more than one GPU here: nccl between processes can work")
     # A file, not an override: `config check` reads its first argument as the config file.
     config = tmp_path / "nccl.yaml"
     config.write_text("environments: [{name: toy, kind: toy_copy}]\nweight_sync: {backend: nccl}\n"
-                      "policy: {generation: {backend: vllm}}\n")
+                      "trainer: {device: cuda}\npolicy: {generation: {backend: vllm}}\n")
+    env = os.environ if need_device() == "cuda" else {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     out = subprocess.run([sys.executable, "-m", "services.cli", "config", "check", str(config)],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     figures.update(exit_code=out.returncode, message=(out.stdout + out.stderr).strip()[-600:])
     assert out.returncode != 0, f"config check accepted nccl with one GPU:\n{out.stdout}"
     text = (out.stdout + out.stderr).lower()
-    assert "nccl" in text and any(alt in text for alt in ("gloo", "filesystem", "nixl")), text[-600:]
+    assert "share a device" in text and "gloo" in text, text[-600:]
 
 
 def test_nccl_sync_on_one_gpu_fails_within_its_deadline_and_the_trainer_lives(figures):
