@@ -605,6 +605,11 @@ class PolicyConfig(Section):
     cpu_offload: bool = False
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
+    offload_optimizer_for_logprob: bool = False
+    """FSDP2: the optimizer's state (Adam's moments: twice the parameters' float32 bytes, or half that in bfloat16)
+    waits in host memory while a step's logprob forwards run (prev, reference; DPO's reference) and comes back
+    before the optimizer steps (NeMo RL's key of this name): room for larger logprob micro-batches, for a copy
+    out and back per step. Nothing moves on CPU, or with cpu_offload (the state is on the host already)."""
     lora_cfg: LoRAConfig = LoRAConfig()
     """FSDP2 (tensor parallelism included)."""
     megatron_cfg: MegatronConfig = MegatronConfig()
@@ -635,6 +640,9 @@ class PolicyConfig(Section):
                              "megatron_cfg.tensor_model_parallel_size")
         if self.lora_cfg.enabled and self.megatron_cfg.enabled:
             raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
+        if self.megatron_cfg.enabled and self.offload_optimizer_for_logprob:
+            raise ValueError("offload_optimizer_for_logprob is the FSDP2 backend's; offloading megatron-core's "
+                             "distributed optimizer is not built")
         if self.megatron_cfg.enabled and self.optimizer.moments_dtype != "float32":
             raise ValueError("optimizer.moments_dtype is the FSDP2 backend's; megatron-core keeps low-precision "
                              "moments only in Transformer Engine's FusedAdam, which nothing here installs")

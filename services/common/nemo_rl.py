@@ -68,7 +68,6 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpointing.save_optimizer", is_(True), "the optimizer state is always saved"),
     Rule("policy.tokenizer.use_fastokens", is_(False), "the fastokens tokenizer is not built"),
     Rule("policy.generation_batch_size", any_, "rollout batches a group's samples itself"),
-    Rule("policy.offload_optimizer_for_logprob", is_(False), "optimizer offload is not built"),
     Rule("policy.dtensor_cfg.enabled", is_(True), "the trainer is FSDP2 (NeMo RL's DTensor path) unless "
          "megatron_cfg.enabled is true"),
     Rule("policy.dtensor_cfg._v2", any_, "NeMo RL's two DTensor workers (_v2 true: Automodel's; false: the first) both "

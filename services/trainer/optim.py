@@ -13,7 +13,8 @@ workers step it after all of a batch's optimizer steps, so milestones count GRPO
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.optim import Optimizer
@@ -94,6 +95,22 @@ class AdamLowPrecisionMoments(Optimizer):
                 state["exp_avg"].copy_(exp_avg)
                 state["exp_avg_sq"].copy_(exp_avg_sq)
         return loss
+
+
+@contextmanager
+def state_in_host_memory(optimizer: Optimizer) -> Iterator[None]:
+    """policy.offload_optimizer_for_logprob: every state tensor (FSDP2's DTensor shards included) copied to host
+    memory for the block, its device copy freed for the block's forwards, and each put back on its own device after
+    (Adam's step count stays where torch keeps it). A no-op for state already on the host."""
+    moved = [(state, key, t.device) for state in optimizer.state.values() for key, t in state.items()
+             if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    for state, key, _ in moved:
+        state[key] = state[key].to("cpu")
+    try:
+        yield
+    finally:
+        for state, key, device in moved:
+            state[key] = state[key].to(device)
 
 
 def build_scheduler(optimizer: Optimizer, entries: list[SchedulerStep | SchedulerMilestones]) -> LRScheduler:

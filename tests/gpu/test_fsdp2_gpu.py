@@ -1,6 +1,7 @@
 """Stage `fsdp2`: one FSDP2 step in bf16 on a Qwen2-0.5B-shaped random model, on one GPU (one NCCL rank).
 
-Activation checkpointing on, Adam's moments in bfloat16 (policy.optimizer.moments_dtype), the reference policy
+Activation checkpointing on, Adam's moments in bfloat16 (policy.optimizer.moments_dtype) and in host memory
+during a second step's logprob forwards (policy.offload_optimizer_for_logprob), the reference policy
 offloaded to host memory (the backend does that on CUDA when the KL penalty asks for a reference), and `full_state_dict` checked against the manifest the rollout side
 derives without any weights (`hf_manifest` of the meta-device model, what the vLLM engine announces against):
 same names, order, shapes and dtypes, so the first sync's digest matches. A second check steps with
@@ -105,7 +106,8 @@ def test_fsdp2_bf16_step_with_checkpointing_and_offloaded_reference_publishes_th
     import torch
 
     device = need_device()
-    cfg = _config("loss_fn.reference_policy_kl_penalty=0.01", "policy.optimizer.moments_dtype=bfloat16")
+    cfg = _config("loss_fn.reference_policy_kl_penalty=0.01", "policy.optimizer.moments_dtype=bfloat16",
+                  "policy.offload_optimizer_for_logprob=true")
     start = time.perf_counter()
     backend = _backend(cfg)
     figures["build_s"] = round(time.perf_counter() - start, 1)
@@ -125,7 +127,35 @@ def test_fsdp2_bf16_step_with_checkpointing_and_offloaded_reference_publishes_th
     assert math.isfinite(metrics["kl_penalty"]), metrics
     _check_published(backend, cfg, before, figures)
     _peak(figures)
+    _second_step_offloads_the_optimizer_for_the_reference_forward(backend, cfg, device, figures)
     _free(backend)
+
+
+def _second_step_offloads_the_optimizer_for_the_reference_forward(backend, cfg, device: str, figures: dict) -> None:
+    """policy.offload_optimizer_for_logprob: with the state built by the first step, the second step's reference
+    forward runs with every state tensor in host memory, and the step finds them back on the GPU. No gradient
+    outlives its step (freed after the optimizer steps), so the reference forward holds neither."""
+    import torch
+
+    def state_devices() -> set[str]:
+        return {_local(t).device.type for state in backend.optimizer.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0}  # Adam's step count lives on the host anyway
+
+    cuda = device == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated() / 2**30) if cuda else (lambda: 0.0)
+    assert all(p.grad is None for p in backend.model.parameters()), "a gradient outlived the first step"
+    seen: list[tuple[set[str], float]] = []
+    hook = backend.reference.register_forward_pre_hook(lambda *_: seen.append((state_devices(), allocated())))
+    between = allocated()
+    second: dict = {}
+    try:
+        _step(backend, cfg, second)
+    finally:
+        hook.remove()
+    assert seen and all(devices == {"cpu"} for devices, _ in seen), seen
+    assert state_devices() == {device}, state_devices()
+    figures["second_step"] = {"step_s": second["step_s"], "allocated_gib_between_steps": round(between, 2),
+                              "allocated_gib_in_reference_forward": round(min(a for _, a in seen), 2)}
 
 
 def test_fsdp2_cpu_offload_step_on_gpu_publishes_the_rollout_manifest(figures):

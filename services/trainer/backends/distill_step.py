@@ -86,6 +86,7 @@ def optimizer_step(be, b: TrainBatch, chunk: list[int], micro_batches: list[list
     norm = clip_grad_norm(list(be.model.parameters()), be.cfg.policy.max_grad_norm or float("inf"))
     metrics["lr"] = be.optimizer.param_groups[0]["lr"]
     be.optimizer.step()
+    be.optimizer.zero_grad(set_to_none=True)  # freed now, not at the next step
     return metrics | {"grad_norm": float(norm)}
 
 

@@ -13,6 +13,7 @@ weights are cast to the configured precision only when they are published.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -41,7 +42,7 @@ from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
 from services.trainer.lora import adapters_off, apply_lora
-from services.trainer.optim import build_optimizer, build_scheduler
+from services.trainer.optim import build_optimizer, build_scheduler, state_in_host_memory
 from services.trainer.plan import logprob_plan, optimizer_steps, train_plan
 
 log = logging.getLogger("flywheel.trainer")
@@ -156,6 +157,12 @@ class FSDP2Backend(TrainingBackend):
                 return self._all_logprobs(self.model, b, lengths)
         return None
 
+    def optimizer_offloaded(self):
+        """The optimizer's state in host memory for the block (policy.offload_optimizer_for_logprob)."""
+        if self.cfg.policy.offload_optimizer_for_logprob:
+            return state_in_host_memory(self.optimizer)
+        return contextlib.nullcontext()
+
     # ---- training ------------------------------------------------------------------------------
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
@@ -163,9 +170,10 @@ class FSDP2Backend(TrainingBackend):
         p = self.cfg.policy
         t0 = time.perf_counter()
         steps = optimizer_steps(len(b), p.train_global_batch_size)
-        prev = self._prev_logprobs(b, lengths, len(steps))
-        b, masking = self._mask_by_sequence_error(b, lengths, prev)
-        ref = self._reference_logprobs(b, lengths)
+        with self.optimizer_offloaded():
+            prev = self._prev_logprobs(b, lengths, len(steps))
+            b, masking = self._mask_by_sequence_error(b, lengths, prev)
+            ref = self._reference_logprobs(b, lengths)
         t1 = time.perf_counter()
         data = LossInputs(prev_logprobs=prev, generation_logprobs=b.generation_logprobs, reference_logprobs=ref,
                           advantages=advantages, token_mask=b.token_mask, sample_mask=b.sample_mask)
@@ -213,6 +221,7 @@ class FSDP2Backend(TrainingBackend):
         norm = clip_grad_norm(list(self.model.parameters()), max_norm)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # freed now, not at the next step: its logprob forwards run without them
         metrics["grad_norm"] = float(norm)
         return metrics
 

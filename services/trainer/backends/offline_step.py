@@ -99,7 +99,8 @@ def offline_step(be, b: TrainBatch) -> dict[str, float]:
     p = be.cfg.policy
     t0 = time.perf_counter()
     plan = micro_batches(be, b, p.train_micro_batch_size)
-    ref = reference_logprobs(be, b, plan) if be.cfg.algorithm == "dpo" else None
+    with be.optimizer_offloaded():
+        ref = reference_logprobs(be, b, plan) if be.cfg.algorithm == "dpo" else None
     t1 = time.perf_counter()
     totals = totals_of(b)
     be.optimizer.zero_grad(set_to_none=True)
@@ -119,6 +120,7 @@ def offline_step(be, b: TrainBatch) -> dict[str, float]:
     norm = clip_grad_norm(list(be.model.parameters()), p.max_grad_norm or float("inf"))
     metrics["lr"] = be.optimizer.param_groups[0]["lr"]
     be.optimizer.step()
+    be.optimizer.zero_grad(set_to_none=True)  # freed now, not at the next step
     be.scheduler.step()
     return metrics | {"grad_norm": float(norm), "timing/train/logprobs": t1 - t0,
                       "timing/train/optimizer": time.perf_counter() - t1}
