@@ -30,14 +30,6 @@ from services.common.config_offline import OFFLINE_RULES
 from services.common.nemo_rl_optim import fused_adam
 from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
 
-AUTOMODEL_AS_FLYWHEEL = {"force_hf": True}
-"""Automodel kwargs that ask for what the FSDP2 trainer does anyway: force_hf loads the Hugging Face model class."""
-
-
-def _automodel(v: Any, _: dict) -> bool:
-    return all(AUTOMODEL_AS_FLYWHEEL.get(k, MISSING) == x for k, x in (v or {}).items())
-
-
 def _sequence_parallel(v: Any, tree: dict) -> bool:
     return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
 
@@ -77,8 +69,19 @@ RULES: tuple[Rule, ...] = (
          "model's own TP plan) has no sequence parallelism; at tensor_parallel_size 1 NeMo RL applies none either"),
     Rule("policy.dtensor_cfg.custom_parallel_plan", is_(None), "custom TP plans are not built: the trainer uses "
          "the model's own Hugging Face TP plan"),
-    Rule("policy.dtensor_cfg.automodel_kwargs", _automodel, "Automodel's model builder (TE or Liger kernels, "
-         "attention choices, freezing) is not built: only force_hf: true, the Hugging Face class the trainer loads"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.force_hf", is_(True), "the trainer loads the Hugging Face model class; "
+         "Automodel's own model implementations are not built"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.backend", is_(None), "Automodel's own model implementations with "
+         "Transformer Engine or DeepEP kernels are not built: the trainer runs the Hugging Face modules"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.use_liger_kernel", any_, "Liger's fused kernels compute what the "
+         "Hugging Face modules the trainer runs compute: speed, not the math"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.attn_implementation", is_(None), "the trainer loads the model with "
+         "transformers' default attention implementation; choosing another is not wired"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.use_sdpa_patching", is_(False), "Automodel's SDPA patching is not built"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.freeze_config", lambda v, _: not (v or {}).get("freeze_language_model"),
+         "Flywheel trains on text, so a multimodal model's vision and audio towers and their projectors (what "
+         "Automodel freezes) take no input and get no gradient, frozen or not "
+         "(tests/unit/trainer/test_multimodal_checkpoint.py); freezing the language model is not built"),
     Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
     Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
          "the Hugging Face MoE layers as they are"),

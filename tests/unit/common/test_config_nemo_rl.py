@@ -137,8 +137,11 @@ def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
 @pytest.mark.parametrize("overrides, key", [
     (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"], "sequence_parallel"),
     (["policy.dtensor_cfg.context_parallel_size=2"], "context_parallel_size"),
-    (["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"], "automodel_kwargs"),
-    (["++policy.dtensor_cfg.automodel_kwargs={use_liger_kernel: true}"], "automodel_kwargs"),
+    (["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"], "automodel_kwargs.force_hf"),
+    (["++policy.dtensor_cfg.automodel_kwargs={backend: {attn: te, linear: te}}"], "automodel_kwargs.backend"),
+    (["++policy.dtensor_cfg.automodel_kwargs={freeze_config: {freeze_language_model: true}}"],
+     "automodel_kwargs.freeze_config"),
+    (["++policy.dtensor_cfg.automodel_kwargs={attn_implementation: eager}"], "automodel_kwargs.attn_implementation"),
     (["++policy.dtensor_cfg.expert_parallel_size=8"], "expert_parallel_size"),
     (["policy.dtensor_cfg.enabled=false"], "enabled")])
 def test_dtensor_settings_the_trainer_lacks_are_refused_by_their_own_key(overrides, key):
@@ -146,6 +149,14 @@ def test_dtensor_settings_the_trainer_lacks_are_refused_by_their_own_key(overrid
         load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, *overrides])
     assert str(err.value).splitlines() == [line for line in str(err.value).splitlines()
                                            if f"policy.dtensor_cfg.{key}: Flywheel cannot honour" in line] != []
+
+
+def test_automodels_tower_freezing_and_kernel_choices_are_taken_as_the_gemma4_recipes_write_them():
+    """NeMo RL's dapo-gemma4-*-automodel recipes: the towers frozen (no effect on text: test_multimodal_checkpoint.py),
+    Liger's kernels, no SDPA patching."""
+    kwargs = ("{use_liger_kernel: true, use_sdpa_patching: false, freeze_config: {freeze_vision_tower: true, "
+              "freeze_audio_tower: true, freeze_language_model: false}}")
+    load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, f"++policy.dtensor_cfg.automodel_kwargs={kwargs}"])
 
 
 def test_dtensor_tensor_parallelism_is_taken_and_its_padding_is_accepted():
