@@ -602,6 +602,10 @@ class PolicyConfig(Section):
     tensor_parallel_size: int = Field(1, gt=0)
     """FSDP2: ranks each linear layer is split over (NeMo RL's dtensor_cfg.tensor_parallel_size), by the model's
     Hugging Face TP plan; data parallelism is the ranks / this. Megatron-Core has its own TP key."""
+    expert_parallel_size: int = Field(1, gt=0)
+    """FSDP2: ranks each mixture-of-experts layer's experts are split over (NeMo RL's dtensor_cfg.expert_parallel_size),
+    by the model's own Hugging Face expert-parallel plan: tokens go to their experts' ranks by all-to-all, and the
+    ranks that hold the same experts shard them with FSDP2. Must divide the trainer's ranks; tensor_parallel_size 1."""
     cpu_offload: bool = False
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
@@ -638,6 +642,10 @@ class PolicyConfig(Section):
         if self.megatron_cfg.enabled and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size is the FSDP2 backend's; Megatron-Core reads "
                              "megatron_cfg.tensor_model_parallel_size")
+        if self.expert_parallel_size > 1 and (self.megatron_cfg.enabled or self.tensor_parallel_size > 1
+                                              or self.lora_cfg.enabled):
+            raise ValueError("expert_parallel_size > 1 is the FSDP2 backend's, without tensor parallelism or LoRA "
+                             "(neither combination is built); Megatron-Core's key is megatron_cfg.expert_model_parallel_size")
         if self.lora_cfg.enabled and self.megatron_cfg.enabled:
             raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
         if self.megatron_cfg.enabled and self.offload_optimizer_for_logprob:

@@ -30,6 +30,14 @@ from services.common.config_offline import OFFLINE_RULES
 from services.common.nemo_rl_optim import fused_adam
 from services.common.nemo_rl_rules import MISSING, Rule, any_, get, is_, off, same_as, when
 
+def _automodel_backend(v: Any, _: dict) -> bool:
+    """Automodel's BackendConfig (at NeMo RL's pin): kernel and dispatcher choices, unless it replaces the router,
+    computes in FP8 or runs the router above float32."""
+    v = v or {}
+    return (not v.get("fake_balanced_gate") and v.get("te_fp8") is None
+            and str(v.get("gate_precision")).removeprefix("torch.") in ("None", "float32"))
+
+
 def _sequence_parallel(v: Any, tree: dict) -> bool:
     return not v or get(tree, "policy.tensor_parallel_size", 1) == 1  # moved out of dtensor_cfg before the rules run
 
@@ -71,8 +79,11 @@ RULES: tuple[Rule, ...] = (
          "the model's own Hugging Face TP plan"),
     Rule("policy.dtensor_cfg.automodel_kwargs.force_hf", is_(True), "the trainer loads the Hugging Face model class; "
          "Automodel's own model implementations are not built"),
-    Rule("policy.dtensor_cfg.automodel_kwargs.backend", is_(None), "Automodel's own model implementations with "
-         "Transformer Engine or DeepEP kernels are not built: the trainer runs the Hugging Face modules"),
+    Rule("policy.dtensor_cfg.automodel_kwargs.backend", _automodel_backend, "Automodel's own model implementations "
+         "and their kernels (Transformer Engine attention, linear and norm, grouped-GEMM experts, DeepEP dispatch): the "
+         "trainer runs the Hugging Face classes, which compute the same model, and transformers' expert dispatch with "
+         "expert_parallel_size > 1; what changes the model is refused: fake_balanced_gate (routing replaced), te_fp8, "
+         "a gate_precision above float32 (the Hugging Face routers' own)"),
     Rule("policy.dtensor_cfg.automodel_kwargs.use_liger_kernel", any_, "Liger's fused kernels compute what the "
          "Hugging Face modules the trainer runs compute: speed, not the math"),
     Rule("policy.dtensor_cfg.automodel_kwargs.attn_implementation", is_(None), "the trainer loads the model with "
@@ -82,7 +93,6 @@ RULES: tuple[Rule, ...] = (
          "Flywheel trains on text, so a multimodal model's vision and audio towers and their projectors (what "
          "Automodel freezes) take no input and get no gradient, frozen or not "
          "(tests/unit/trainer/test_multimodal_checkpoint.py); freezing the language model is not built"),
-    Rule("policy.dtensor_cfg.expert_parallel_size", lambda v, _: v in (1, None), "expert parallelism is not built"),
     Rule("policy.dtensor_cfg.moe_parallelizer", any_, "Automodel's MoE parallelizer options; the trainer shards "
          "the Hugging Face MoE layers as they are"),
     Rule("policy.dtensor_cfg.clear_cache_every_n_steps", any_, "emptying the CUDA cache: memory, not the math"),
@@ -191,6 +201,7 @@ RULES: tuple[Rule, ...] = (
 MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
          "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
+         "policy.dtensor_cfg.expert_parallel_size": "policy.expert_parallel_size",
          "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg",
          "policy.dtensor_cfg.env_vars": "trainer.env_vars",
          "policy.generation.vllm_cfg.env_vars": "rollout.env_vars",

@@ -82,15 +82,17 @@ def test_nccl_receiver_killed_mid_broadcast_is_dropped_and_the_next_sync_succeed
     assert code == 0, sender.stderr.read()[-2000:]
 
 
-def _fsdp2_tp2_rank(rank: int) -> None:
+def _fsdp2_rank(rank: int, parallel: tuple[str, ...]) -> None:
+    """One bf16 FSDP2 step on this rank's GPU (the dry run: on CPU, gloo), split as `parallel` says, and the whole
+    weights on rank 0."""
     from services.trainer.backends.fsdp2 import FSDP2Backend
     from services.trainer.distributed import init_distributed
     from shapes import TINY, overrides
     from trainer_harness import config, step_batch
 
     cfg = config(*overrides(dict(TINY, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)),
-                 "policy.precision=bfloat16", "policy.tensor_parallel_size=2", "trainer.device=cuda")
-    backend = FSDP2Backend(cfg, init_distributed(300, "cuda"))
+                 "policy.precision=bfloat16", *parallel, f"trainer.device={DEVICE}")
+    backend = FSDP2Backend(cfg, init_distributed(300, DEVICE))
     metrics = backend.train_step(*step_batch(cfg))
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), metrics
     state = backend.full_state_dict()
@@ -101,7 +103,16 @@ def test_fsdp2_tensor_parallel_2_steps_on_two_gpus():
     from trainer_harness import run_ranks
 
     _need_gpus_unless_dry(2)
-    run_ranks(2, _fsdp2_tp2_rank)
+    run_ranks(2, _fsdp2_rank, ("policy.tensor_parallel_size=2",))
+
+
+def test_fsdp2_expert_parallel_2_steps_on_two_gpus():
+    """A Qwen3-MoE's experts split over the two GPUs, tokens dispatched by NCCL all-to-all (on CPU, gloo:
+    tests/unit/trainer/test_expert_parallel.py)."""
+    from trainer_harness import run_ranks
+
+    _need_gpus_unless_dry(2)
+    run_ranks(2, _fsdp2_rank, ("policy.tiny.architecture=qwen3_moe", "policy.expert_parallel_size=2"))
 
 
 def _megatron_tp2_rank(rank: int) -> None:

@@ -34,6 +34,7 @@ from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_seq
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.distill_step import distill_step
+from services.trainer.backends.expert_parallel import shard_experts
 from services.trainer.backends.forward import Forward
 from services.trainer.backends.full_weights import full_weights
 from services.trainer.backends.offline_step import offline_step, offline_validate
@@ -61,6 +62,12 @@ class FSDP2Backend(TrainingBackend):
         cuda = self.device.type == "cuda"
         self.publish_dtype = getattr(torch, cfg.policy.precision)
         self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.ep = cfg.policy.expert_parallel_size
+        if self.world % self.ep:
+            raise ValueError(f"policy.expert_parallel_size {self.ep} does not divide the trainer's {self.world} ranks")
+        self.expert_mesh = init_device_mesh(self.device.type, (self.world // self.ep, self.ep),
+                                            mesh_dim_names=("efsdp", "ep")) if self.ep > 1 else None
+        """With expert parallelism: the experts' view of the same ranks (expert_parallel.py)."""
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
         load = load_scorer if cfg.algorithm == "rm" else load_policy  # rm: a scalar head (reward_head.py)
         model, self.tokenizer = load(fp32, cfg.run.seed, self.device)
@@ -86,8 +93,9 @@ class FSDP2Backend(TrainingBackend):
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
         """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
-        (`tensor_parallel`); then fully_shard each decoder layer (`decoder_layers`), then the root, over
-        the data-parallel ranks. `offload` keeps the shards in host memory between uses (the reference
+        (`tensor_parallel`); with policy.expert_parallel_size > 1, split the experts over their EP mesh and shard
+        them over theirs (`shard_experts`); then fully_shard each decoder layer (`decoder_layers`), then the root,
+        over the data-parallel ranks. `offload` keeps the shards in host memory between uses (the reference
         policy on GPU, and the policy with policy.cpu_offload): FSDP copies them in for each forward and
         backward, gradients come back to the host and the optimizer steps there. Pinned on GPU for faster
         copies; on CPU there is no device memory to pin against.
@@ -101,9 +109,12 @@ class FSDP2Backend(TrainingBackend):
             tensor_parallel(model, self.mesh["tp"])
         mp = MixedPrecisionPolicy(param_dtype=self.publish_dtype, reduce_dtype=torch.float32) \
             if self.device.type == "cuda" else MixedPrecisionPolicy()
-        kwargs = dict(mesh=self.mesh["dp"], mp_policy=mp)
+        kwargs = dict(mp_policy=mp)
         if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        if self.expert_mesh is not None:
+            shard_experts(model, self.expert_mesh, self.mesh["tp"], self.dp, **kwargs)
+        kwargs["mesh"] = self.mesh["dp"]
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         return fully_shard(model, **kwargs)

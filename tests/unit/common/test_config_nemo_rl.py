@@ -138,11 +138,13 @@ def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
     (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"], "sequence_parallel"),
     (["policy.dtensor_cfg.context_parallel_size=2"], "context_parallel_size"),
     (["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"], "automodel_kwargs.force_hf"),
-    (["++policy.dtensor_cfg.automodel_kwargs={backend: {attn: te, linear: te}}"], "automodel_kwargs.backend"),
+    (["++policy.dtensor_cfg.automodel_kwargs={backend: {attn: te, fake_balanced_gate: true}}"],
+     "automodel_kwargs.backend"),
+    (["++policy.dtensor_cfg.automodel_kwargs={backend: {attn: te, gate_precision: float64}}"],
+     "automodel_kwargs.backend"),
     (["++policy.dtensor_cfg.automodel_kwargs={freeze_config: {freeze_language_model: true}}"],
      "automodel_kwargs.freeze_config"),
     (["++policy.dtensor_cfg.automodel_kwargs={attn_implementation: eager}"], "automodel_kwargs.attn_implementation"),
-    (["++policy.dtensor_cfg.expert_parallel_size=8"], "expert_parallel_size"),
     (["policy.dtensor_cfg.enabled=false"], "enabled")])
 def test_dtensor_settings_the_trainer_lacks_are_refused_by_their_own_key(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -157,6 +159,17 @@ def test_automodels_tower_freezing_and_kernel_choices_are_taken_as_the_gemma4_re
     kwargs = ("{use_liger_kernel: true, use_sdpa_patching: false, freeze_config: {freeze_vision_tower: true, "
               "freeze_audio_tower: true, freeze_language_model: false}}")
     load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, f"++policy.dtensor_cfg.automodel_kwargs={kwargs}"])
+
+
+def test_dtensor_expert_parallelism_and_automodels_kernels_are_taken_as_the_moe_recipes_write_them():
+    """NeMo RL's *-automodel-ep* recipes: expert_parallel_size moves to the FSDP2 trainer's own key; Automodel's
+    BackendConfig names kernels (Transformer Engine, grouped GEMM, DeepEP), which the Hugging Face classes replace."""
+    backend = ("{_target_: nemo_automodel.components.models.common.utils.BackendConfig, attn: te, linear: te, "
+               "rms_norm: torch_fp32, experts: torch_mm, enable_deepep: true, rope_fusion: false, "
+               "enable_hf_state_dict_adapter: true}")
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "++policy.dtensor_cfg.expert_parallel_size=8",
+                                                      f"++policy.dtensor_cfg.automodel_kwargs={{backend: {backend}}}"])
+    assert cfg.policy.expert_parallel_size == 8
 
 
 def test_dtensor_tensor_parallelism_is_taken_and_its_padding_is_accepted():

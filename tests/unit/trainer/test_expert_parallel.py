@@ -1,0 +1,70 @@
+"""FSDP2 expert parallelism (policy.expert_parallel_size; services/trainer/backends/expert_parallel.py).
+
+The oracle is the same trainer without it: gloo ranks, a small Qwen3-MoE (4 experts, 2 per token), two GRPO steps
+with SGD (so a gradient off by any factor shows in the weights) and a KL term (the reference is split the same way),
+once with each EP group of two ranks holding half of each layer's experts and tokens sent to them by all-to-all, once
+with FSDP2 alone. The weights after both steps, the step metrics and the published state must agree, and the
+experts must sit on the expert mesh. It found torch 2.13 dividing an expert's gradient twice where its FSDP2 group
+is one rank and sums are forced (expert_parallel.py).
+"""
+
+import pytest
+import torch
+from trainer_harness import config, run_ranks, step_batch
+
+from services.common.config import ConfigError, load_config
+from services.common.weights import Manifest
+from services.rollout.engines.vllm import hf_manifest, meta_policy_model
+from services.trainer.backends.fsdp2 import FSDP2Backend
+from services.trainer.distributed import init_distributed
+
+MOE = ["policy.tiny.architecture=qwen3_moe", "policy.optimizer={name: SGD, kwargs: {lr: 0.1}}",
+       "loss_fn.reference_policy_kl_penalty=0.05",
+       "policy.train_global_batch_size=8"]
+
+
+def _train(rank: int, out: str, ep: int) -> None:
+    cfg = config(*MOE, f"policy.expert_parallel_size={ep}")
+    backend = FSDP2Backend(cfg, init_distributed(120))
+    meshes = {p.device_mesh.mesh_dim_names for n, p in backend.model.named_parameters() if ".experts." in n}
+    batch, advantages = step_batch(cfg)
+    metrics = [backend.train_step(batch, advantages) for _ in range(2)]
+    state = backend.full_state_dict()
+    if rank == 0:
+        rollout = hf_manifest(meta_policy_model(cfg.policy, len(backend.tokenizer), cfg.run.seed))
+        torch.save({"state": state, "metrics": metrics, "meshes": meshes,
+                    "digests": (Manifest.of(state).digest, rollout.digest)}, out)
+
+
+@pytest.mark.parametrize("world", [2, 4])  # 4: two EP groups, each expert sharded over two ranks (efsdp)
+def test_ranks_with_the_experts_split_train_as_fsdp2_alone_does(tmp_path, world):
+    split, whole = str(tmp_path / "ep2.pt"), str(tmp_path / "ep1.pt")
+    run_ranks(world, _train, split, 2)
+    run_ranks(world, _train, whole, 1)
+    a, b = torch.load(split), torch.load(whole)
+    assert a["meshes"] == {("efsdp", "ep")} and b["meshes"] == {("dp",)}, (a["meshes"], b["meshes"])
+    assert a["digests"][0] == a["digests"][1]
+    assert list(a["state"]) == list(b["state"])
+    for name, value in b["state"].items():  # SGD: a gradient off by any factor moves the weights by it
+        torch.testing.assert_close(a["state"][name], value, rtol=0, atol=2e-6, msg=lambda m: f"{name}: {m}")
+    for step in range(2):
+        for key in ("loss", "grad_norm", "kl_penalty", "probs_ratio_max"):
+            assert a["metrics"][step][key] == pytest.approx(b["metrics"][step][key], rel=1e-4, abs=1e-6), key
+
+
+def _build(rank: int) -> None:
+    FSDP2Backend(config("policy.expert_parallel_size=2"), init_distributed(120))  # the tiny llama: dense, no experts
+
+
+def test_a_model_without_an_expert_parallel_plan_is_refused_at_start_with_its_type():
+    with pytest.raises(Exception, match="transformers has no expert-parallel plan with token dispatch for llama"):
+        run_ranks(2, _build)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["policy.expert_parallel_size=2", "policy.tensor_parallel_size=2"],
+    ["policy.expert_parallel_size=2", "policy.lora_cfg.enabled=true"],
+    ["policy.expert_parallel_size=2", "policy.megatron_cfg.enabled=true"]])
+def test_expert_parallelism_with_what_it_is_not_built_with_is_refused(overrides):
+    with pytest.raises(ConfigError, match="expert_parallel_size > 1 is the FSDP2 backend's"):
+        load_config(None, overrides)
