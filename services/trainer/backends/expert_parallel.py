@@ -24,6 +24,13 @@ from torch.distributed.tensor import DTensor
 DISPATCH = "ep_dispatch_experts"
 """The plan style of a module whose experts take dispatched tokens (what EP needs)."""
 
+PLANS = {"nemotron_h": {"model.layers.*.mixer.experts.up_proj": "grouped_gemm",
+                        "model.layers.*.mixer.experts.down_proj": "grouped_gemm",
+                        "model.layers.*.mixer.experts": DISPATCH}}
+"""Plans transformers (5.19) lacks, for model types NeMo RL's expert-parallel recipes train: Nemotron-H's experts are
+transformers' standard experts module (3D up/down projections, called with the tokens' top-k experts and weights),
+so the same dispatch applies; tests/unit/trainer/test_expert_parallel.py checks it against FSDP2 alone."""
+
 
 def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh, data_parallel: int,
                   **fsdp_kwargs) -> list[nn.Module]:
@@ -31,7 +38,7 @@ def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh
     returns those modules. Call before the decoder layers are sharded, so their FSDP2 groups leave the experts out."""
     from transformers.distributed.tensor_parallel import apply_expert_parallelism
 
-    plan = dict(getattr(model, "ep_plan", None) or {})
+    plan = dict(getattr(model, "ep_plan", None) or PLANS.get(model.config.model_type, {}))
     if DISPATCH not in plan.values():
         raise ValueError(f"policy.expert_parallel_size {expert_mesh['ep'].size()}: transformers has no expert-parallel "
                          f"plan with token dispatch for {model.config.model_type}")
