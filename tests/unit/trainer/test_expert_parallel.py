@@ -1,11 +1,11 @@
 """FSDP2 expert parallelism (policy.expert_parallel_size; services/trainer/backends/expert_parallel.py).
 
-The oracle is the same trainer without it: gloo ranks, a small Qwen3-MoE or Nemotron-H (4 experts, 2 per token), two GRPO steps
-with SGD (so a gradient off by any factor shows in the weights) and a KL term (the reference is split the same way),
-once with each EP group of two ranks holding half of each layer's experts and tokens sent to them by all-to-all, once
-with FSDP2 alone. The weights after both steps, the step metrics and the published state must agree, and the
-experts must sit on the expert mesh. It found torch 2.13 dividing an expert's gradient twice where its FSDP2 group
-is one rank and sums are forced (expert_parallel.py).
+The oracle is the same trainer without it: gloo ranks, a small Qwen3-MoE or Nemotron-H (4 experts, 2 per token),
+two GRPO steps with SGD (so a gradient off by any factor shows in the weights) and a KL term (the reference is split
+the same way), once with each EP group of two ranks holding half of each layer's experts, tokens sent to them by
+all-to-all and the layers recomputed in backward, once with FSDP2 alone. The weights after both steps, the step
+metrics and the published state must agree, and the experts must sit on the expert mesh. It found torch 2.13
+dividing an expert's gradient twice where its FSDP2 group is one rank and sums are forced (expert_parallel.py).
 """
 
 import pytest
@@ -42,9 +42,11 @@ def nemotron_h_checkpoint(path) -> None:
 
 
 def _train(rank: int, out: str, model: list[str], ep: int) -> None:
-    cfg = config(*MOE, *model, f"policy.expert_parallel_size={ep}")
+    # The split run also recomputes its layers in backward (the all-to-all again), as NeMo RL's MoE recipes do.
+    cfg = config(*MOE, *model, f"policy.expert_parallel_size={ep}", f"policy.activation_checkpointing={ep > 1}")
     backend = FSDP2Backend(cfg, init_distributed(120))
     meshes = {p.device_mesh.mesh_dim_names for n, p in backend.model.named_parameters() if ".experts." in n}
+    assert backend.model.is_gradient_checkpointing == (ep > 1)
     batch, advantages = step_batch(cfg)
     metrics = [backend.train_step(batch, advantages) for _ in range(2)]
     state = backend.full_state_dict()
