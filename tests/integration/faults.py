@@ -2,8 +2,8 @@
 
 The schedule says what the harness meant to do; `inject` returns what the kernel shows happened, read from
 /proc rather than from the supervisor: the killed process is gone (or a zombie awaiting its reaper) and a new
-process with its command line runs as a child of this one; the paused one was in state T (stopped) from just
-after SIGSTOP to just before SIGCONT, and ran again after.
+process with its command line runs as a child of this one; the paused one had every thread in state T (stopped)
+from just after SIGSTOP to just before SIGCONT, and ran again after.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Observed:
     successor: int | None = None
     """kill: a live child of this process with the killed one's command line, found in /proc."""
     stopped: bool = False
-    """pause: state T just after SIGSTOP and still at the end of the pause, not T after SIGCONT."""
+    """pause: every thread in state T just after SIGSTOP and still at the end of the pause, not T after SIGCONT."""
     survivors: tuple[int, ...] = ()
     """kill: the killed process's descendants (vLLM's engine core, a trainer's ranks) still running once its
     successor runs: a survivor would hold its ports and memory beside the new process."""
@@ -182,9 +182,9 @@ def inject(stack, fault: Fault, *, pause_s: float = PAUSE_S, restart_within_s: f
         survivors = alive()
         return Observed(fault=fault, pid=pid, died=died, successor=successor, survivors=survivors)
     os.killpg(pid, signal.SIGSTOP)  # the service's whole process group (vLLM's engine core included)
-    stopped = bool(_until(lambda: state(pid) == "T", 5))
+    stopped = bool(_until(lambda: threads_stopped(pid), 30, 0.01))  # every thread, as `stop` waits for
     time.sleep(pause_s)
-    stopped = stopped and state(pid) == "T"
+    stopped = stopped and threads_stopped(pid)
     os.killpg(pid, signal.SIGCONT)
     resumed = bool(_until(lambda: state(pid) not in ("T", None), 5))
     return Observed(fault=fault, pid=pid, stopped=stopped and resumed)
