@@ -606,6 +606,10 @@ class PolicyConfig(Section):
     """FSDP2: ranks each mixture-of-experts layer's experts are split over (NeMo RL's dtensor_cfg.expert_parallel_size),
     by the model's own Hugging Face expert-parallel plan: tokens go to their experts' ranks by all-to-all, and the
     ranks that hold the same experts shard them with FSDP2. Must divide the trainer's ranks; tensor_parallel_size 1."""
+    context_parallel_size: int = Field(1, gt=0)
+    """FSDP2: ranks each row's positions are split over (NeMo RL's dtensor_cfg.context_parallel_size); every attention
+    layer gathers the whole row's keys and values. For long rows: each rank holds the logits of its own positions
+    only. Must divide the trainer's ranks; without tensor or expert parallelism or sequence packing."""
     cpu_offload: bool = False
     """FSDP2 keeps the parameter and gradient shards in host memory and runs the optimizer step there
     (CPUOffloadPolicy; NeMo RL's dtensor_cfg.cpu_offload): far less GPU memory, a slower step. FSDP2 only."""
@@ -646,6 +650,11 @@ class PolicyConfig(Section):
                                               or self.lora_cfg.enabled):
             raise ValueError("expert_parallel_size > 1 is the FSDP2 backend's, without tensor parallelism or LoRA "
                              "(neither combination is built); Megatron-Core's key is megatron_cfg.expert_model_parallel_size")
+        if self.context_parallel_size > 1 and (self.megatron_cfg.enabled or self.tensor_parallel_size > 1
+                                               or self.expert_parallel_size > 1 or self.sequence_packing.enabled):
+            raise ValueError("context_parallel_size > 1 is the FSDP2 backend's, without tensor or expert parallelism "
+                             "or sequence_packing (none of those combinations is built); Megatron-Core's key is "
+                             "megatron_cfg.context_parallel_size")
         if self.lora_cfg.enabled and self.megatron_cfg.enabled:
             raise ValueError("lora_cfg is the FSDP2 backend's; Megatron-Core LoRA is not built")
         if self.megatron_cfg.enabled and self.offload_optimizer_for_logprob:
@@ -1088,6 +1097,13 @@ class FlywheelConfig(Section):
                                   self.policy.max_total_sequence_length)
         if problem:
             raise ValueError(f"teacher.topk_logits_k: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallelism_gives_logprobs(self) -> FlywheelConfig:
+        if self.policy.context_parallel_size > 1 and (self.uses_teacher or self.algorithm == "rm"):
+            raise ValueError("policy.context_parallel_size > 1 gives the trainer token logprobs; distillation's "
+                             "whole-vocabulary logits and a reward model's scores under it are not built")
         return self
 
     @model_validator(mode="after")

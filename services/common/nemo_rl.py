@@ -72,7 +72,6 @@ RULES: tuple[Rule, ...] = (
          "megatron_cfg.enabled is true"),
     Rule("policy.dtensor_cfg._v2", any_, "NeMo RL's two DTensor workers (_v2 true: Automodel's; false: the first) both "
          "shard the Hugging Face model with FSDP2, as the FSDP2 trainer does"),
-    Rule("policy.dtensor_cfg.context_parallel_size", is_(1), "context parallelism is not built"),
     Rule("policy.dtensor_cfg.sequence_parallel", _sequence_parallel, "the FSDP2 trainer's tensor parallelism (the "
          "model's own TP plan) has no sequence parallelism; at tensor_parallel_size 1 NeMo RL applies none either"),
     Rule("policy.dtensor_cfg.custom_parallel_plan", is_(None), "custom TP plans are not built: the trainer uses "
@@ -202,6 +201,7 @@ MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing":
          "policy.dtensor_cfg.cpu_offload": "policy.cpu_offload",
          "policy.dtensor_cfg.tensor_parallel_size": "policy.tensor_parallel_size",
          "policy.dtensor_cfg.expert_parallel_size": "policy.expert_parallel_size",
+         "policy.dtensor_cfg.context_parallel_size": "policy.context_parallel_size",
          "policy.dtensor_cfg.lora_cfg": "policy.lora_cfg",
          "policy.dtensor_cfg.env_vars": "trainer.env_vars",
          "policy.generation.vllm_cfg.env_vars": "rollout.env_vars",

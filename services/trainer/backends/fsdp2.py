@@ -33,6 +33,7 @@ from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
+from services.trainer.backends.context_parallel import use_context_parallel_attention
 from services.trainer.backends.distill_step import distill_step
 from services.trainer.backends.expert_parallel import shard_experts
 from services.trainer.backends.forward import Forward
@@ -53,15 +54,21 @@ class FSDP2Backend(TrainingBackend):
     def __init__(self, cfg: FlywheelConfig, info: RankInfo) -> None:
         self.cfg = cfg
         self.rank, self.world = info.rank, info.world
-        self.tp = cfg.policy.tensor_parallel_size
-        if self.world % self.tp:
-            raise ValueError(f"policy.tensor_parallel_size {self.tp} does not divide the trainer's {self.world} ranks")
-        self.dp_rank, self.dp = self.rank // self.tp, self.world // self.tp
-        """Data-parallel rank and size: the ranks of one TP group (consecutive ranks) train on the same rows."""
+        self.tp, self.cp = cfg.policy.tensor_parallel_size, cfg.policy.context_parallel_size  # one of them is 1
+        if self.world % (self.tp * self.cp):
+            raise ValueError(f"policy.tensor_parallel_size {self.tp} x context_parallel_size {self.cp} does not divide "
+                             f"the trainer's {self.world} ranks")
+        self.dp_rank, self.dp = self.rank // (self.tp * self.cp), self.world // (self.tp * self.cp)
+        """Data-parallel rank and size: the ranks of one TP or CP group (consecutive ranks) train on the same rows."""
         self.device = torch.device(info.device)  # from the config (distributed.trainer_device), not the host
         cuda = self.device.type == "cuda"
         self.publish_dtype = getattr(torch, cfg.policy.precision)
-        self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.mesh = init_device_mesh(self.device.type, (self.dp, self.cp, self.tp), mesh_dim_names=("dp", "cp", "tp"))
+        self.shard_mesh = self.mesh["dp"] if self.cp == 1 else \
+            init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("fsdp",))
+        """What FSDP2 shards over: the data-parallel ranks, or with context parallelism every rank (a CP group's
+        ranks hold the same weights and each makes part of every gradient: context_parallel.py)."""
+        context = self.mesh["cp"].get_group() if self.cp > 1 else None
         self.ep = cfg.policy.expert_parallel_size
         if self.world % self.ep:
             raise ValueError(f"policy.expert_parallel_size {self.ep} does not divide the trainer's {self.world} ranks")
@@ -71,6 +78,8 @@ class FSDP2Backend(TrainingBackend):
         fp32 = cfg.policy.model_copy(update={"precision": "float32"})
         load = load_scorer if cfg.algorithm == "rm" else load_policy  # rm: a scalar head (reward_head.py)
         model, self.tokenizer = load(fp32, cfg.run.seed, self.device)
+        if context is not None:
+            use_context_parallel_attention(model, context)
         self.lora = cfg.policy.lora_cfg if cfg.policy.lora_cfg.enabled else None
         if self.lora:
             apply_lora(model, self.lora, cfg.run.seed)
@@ -83,13 +92,15 @@ class FSDP2Backend(TrainingBackend):
         wants_reference = cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.algorithm == "dpo"
         if wants_reference and not self.lora:  # a frozen copy of the initial weights
             reference, _ = load_policy(fp32, cfg.run.seed, self.device)
+            if context is not None:
+                use_context_parallel_attention(reference, context)
             self.reference = self._shard(reference.requires_grad_(False), offload=cuda)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # all but LoRA's frozen base
         self.optimizer = build_optimizer(trainable, cfg.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.policy.scheduler)
         # Offline algorithms score data, not samples: NeMo RL's SFT and DPO take logprobs at temperature 1.
         temperature = cfg.policy.generation.temperature if cfg.offline is None else 1.0
-        self.forward = Forward(cfg.policy, temperature, self.device)
+        self.forward = Forward(cfg.policy, temperature, self.device, context)
 
     def _shard(self, model: torch.nn.Module, offload: bool) -> torch.nn.Module:
         """With policy.tensor_parallel_size > 1, first split the linear layers over the TP ranks
@@ -114,7 +125,7 @@ class FSDP2Backend(TrainingBackend):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         if self.expert_mesh is not None:
             shard_experts(model, self.expert_mesh, self.mesh["tp"], self.dp, **kwargs)
-        kwargs["mesh"] = self.mesh["dp"]
+        kwargs["mesh"] = self.shard_mesh
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         return fully_shard(model, **kwargs)

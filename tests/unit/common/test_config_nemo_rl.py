@@ -57,7 +57,6 @@ def test_keys_accepted_without_effect_are_reported_not_dropped_silently():
 
 @pytest.mark.parametrize("override, key", [
     ("grpo.batch_multiplier=2", "grpo.batch_multiplier"),
-    ("policy.dtensor_cfg.context_parallel_size=2", "policy.dtensor_cfg.context_parallel_size"),
     ("policy.generation.val_temperature=0.5", "policy.generation.val_temperature"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward"),
 ])
@@ -136,7 +135,6 @@ def test_a_deepscaler_recipes_dtensor_cfg_and_aime_repeat_are_taken():
 
 @pytest.mark.parametrize("overrides, key", [
     (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"], "sequence_parallel"),
-    (["policy.dtensor_cfg.context_parallel_size=2"], "context_parallel_size"),
     (["++policy.dtensor_cfg.automodel_kwargs={force_hf: false}"], "automodel_kwargs.force_hf"),
     (["++policy.dtensor_cfg.automodel_kwargs={backend: {attn: te, fake_balanced_gate: true}}"],
      "automodel_kwargs.backend"),
@@ -170,6 +168,14 @@ def test_dtensor_expert_parallelism_and_automodels_kernels_are_taken_as_the_moe_
     cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "++policy.dtensor_cfg.expert_parallel_size=8",
                                                       f"++policy.dtensor_cfg.automodel_kwargs={{backend: {backend}}}"])
     assert cfg.policy.expert_parallel_size == 8
+
+
+def test_dtensor_context_parallelism_is_taken_without_sequence_packing_as_the_dapo_recipes_run_it():
+    cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "policy.dtensor_cfg.context_parallel_size=2",
+                                                      "policy.sequence_packing.enabled=false"])
+    assert cfg.policy.context_parallel_size == 2
+    with pytest.raises(ConfigError, match="context_parallel_size > 1 is the FSDP2 backend's, without .*sequence_pack"):
+        load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "policy.dtensor_cfg.context_parallel_size=2"])
 
 
 def test_dtensor_tensor_parallelism_is_taken_and_its_padding_is_accepted():

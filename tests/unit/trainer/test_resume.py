@@ -49,12 +49,14 @@ def _dump(rank, out, backend, metrics) -> None:
 
 @pytest.mark.parametrize("world, extra", [(1, []), (2, []), (2, ["policy.lora_cfg.enabled=true"]),
                                           (2, ["policy.optimizer.moments_dtype=bfloat16"]),
-                                          (2, ["policy.tiny.architecture=qwen3_moe", "policy.expert_parallel_size=2"])],
-                         ids=["1", "2", "2-lora", "2-bf16-moments", "2-expert-parallel"])
+                                          (2, ["policy.tiny.architecture=qwen3_moe", "policy.expert_parallel_size=2"]),
+                                          (2, ["policy.context_parallel_size=2"])],
+                         ids=["1", "2", "2-lora", "2-bf16-moments", "2-expert-parallel", "2-context-parallel"])
 def test_resumed_step_matches_the_uninterrupted_step(tmp_path, world, extra):
     """With LoRA the optimizer holds only the adapters, and the checkpoint both them and the frozen base. With
     bfloat16 moments the optimizer state is bfloat16 DTensor shards (services/trainer/optim.py). With expert
-    parallelism the experts and their state live on a mesh of their own (expert_parallel.py)."""
+    parallelism the experts and their state live on a mesh of their own (expert_parallel.py); with context parallelism
+the weights are sharded over every rank, not the data-parallel ones (context_parallel.py)."""
     a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
     run_ranks(world, _uninterrupted, str(tmp_path), a, extra)
     assert not list((tmp_path / "checkpoints").glob("tmp_*"))
