@@ -115,6 +115,15 @@ def test_fsdp2_expert_parallel_2_steps_on_two_gpus():
     run_ranks(2, _fsdp2_rank, ("policy.tiny.architecture=qwen3_moe", "policy.expert_parallel_size=2"))
 
 
+def test_fsdp2_context_parallel_2_steps_on_two_gpus():
+    """Each row's positions split over the two GPUs, keys and values gathered by NCCL (on CPU, gloo:
+    tests/unit/trainer/test_context_parallel.py)."""
+    from trainer_harness import run_ranks
+
+    _need_gpus_unless_dry(2)
+    run_ranks(2, _fsdp2_rank, ("policy.context_parallel_size=2",))
+
+
 def _megatron_tp2_rank(rank: int) -> None:
     from test_megatron_gpu import build, logits_gap, megatron_config, step
 
