@@ -6,6 +6,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -73,3 +74,14 @@ def run_ranks(world: int, fn, *args) -> None:
     mp.set_forkserver_preload(PRELOAD)
     mp.start_processes(_rank_main, args=(world, free_port(), dict(os.environ), fn, args), nprocs=world, join=True,
                        start_method="forkserver")
+
+
+def assert_trained_alike(a: dict, b: dict, *, atol: float, metrics: tuple[str, ...]) -> None:
+    """Two runs' saved {"state": full_state_dict, "metrics": [one dict per step]} agree: the same names in the same
+    order, every weight within `atol`, and each step's `metrics` within 1e-4 relative (1e-6 absolute)."""
+    assert list(a["state"]) == list(b["state"])
+    for name, value in b["state"].items():
+        torch.testing.assert_close(a["state"][name], value, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+    for step, (mine, theirs) in enumerate(zip(a["metrics"], b["metrics"], strict=True)):
+        for key in metrics:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)
