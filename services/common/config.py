@@ -587,7 +587,7 @@ class PolicyConfig(Section):
     """Samples per forward when recomputing prev/reference logprobs; null = train_micro_batch_size."""
     logprob_chunk_size: int | None = Field(None, gt=0)
     """Positions per chunk of the float32 log-softmax over the vocabulary, in forward and backward (peak memory
-    one chunk's [rows, chunk, vocab] instead of the whole sequence's); null: the whole sequence. FSDP2 only."""
+    one chunk's [rows, chunk, vocab] instead of the whole sequence's); null: the whole sequence."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     tokenizer: TokenizerConfig = TokenizerConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -663,9 +663,6 @@ class PolicyConfig(Section):
         if self.megatron_cfg.enabled and self.optimizer.moments_dtype != "float32":
             raise ValueError("optimizer.moments_dtype is the FSDP2 backend's; megatron-core keeps low-precision "
                              "moments only in Transformer Engine's FusedAdam, which nothing here installs")
-        if self.megatron_cfg.enabled and self.logprob_chunk_size is not None:
-            raise ValueError("logprob_chunk_size is the FSDP2 backend's; Megatron-Core's vocab-parallel cross "
-                             "entropy does not take it")
         return self
 
     @model_validator(mode="after")

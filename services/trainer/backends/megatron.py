@@ -31,7 +31,7 @@ from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.hf_megatron import Shape
-from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available
+from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available, vocab_parallel_logprobs
 from services.trainer.batch import TrainBatch
 from services.trainer.distributed import RankInfo
 from services.trainer.optim import build_scheduler
@@ -93,10 +93,9 @@ class MegatronBackend(TrainingBackend):
             seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)))
 
     def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        t = self.cfg.policy.generation.temperature
-        return -vocab_parallel_cross_entropy((logits[:, :-1].float() / t).contiguous(), targets.cuda())
+        p = self.cfg.policy
+        return vocab_parallel_logprobs(logits[:, :-1], targets.cuda(), p.generation.temperature,
+                                       p.logprob_chunk_size)
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
         dp = self.ps.get_data_parallel_world_size()

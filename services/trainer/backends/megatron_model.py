@@ -166,3 +166,20 @@ def gather_hf(gpt: torch.nn.Module, shape: Shape) -> dict[str, torch.Tensor]:
     if ps.get_pipeline_model_parallel_rank() or ps.get_tensor_model_parallel_rank():
         return {}
     return megatron_to_hf(pp_merge(stages, shape), shape)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                            chunk: int | None) -> torch.Tensor:
+    """[B, T] logprobs of `targets` under softmax(logits / T) over this rank's vocabulary shard and its TP group's,
+    in float32. `chunk` (policy.logprob_chunk_size) positions at a time, each recomputed in backward, so forward and
+    backward hold one chunk's float32 [B, chunk, V / TP] rather than the whole sequence's; None: all at once."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def part(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return -vocab_parallel_cross_entropy((x.float() / temperature).contiguous(), y)
+
+    if chunk is None or chunk >= targets.shape[1]:
+        return part(logits, targets)
+    return torch.cat([torch.utils.checkpoint.checkpoint(part, logits[:, s:s + chunk], targets[:, s:s + chunk],
+                                                        use_reentrant=False)
+                      for s in range(0, targets.shape[1], chunk)], dim=1)

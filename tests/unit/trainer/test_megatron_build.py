@@ -1,8 +1,8 @@
 """Building the Megatron-Core GPTModel on CPU with gloo, as the Megatron backend does on GPU: the local layer spec
 (no Transformer Engine here), the TransformerConfig read back from the built model (dropout, dtypes, pipeline
 dtype), every HF weight loaded and given back in the rollout manifest's order, PP = 2 and TP = 2 on two ranks,
-RoPE against HF's own, and the checkpoint directory. The forward pass, the training step and megatron-core's
-sharded save need CUDA (tests/gpu/)."""
+RoPE against HF's own, the checkpoint directory, and the loss's vocab-parallel logprobs in chunks. The forward
+pass, the training step and megatron-core's sharded save need CUDA (tests/gpu/)."""
 
 import os
 from pathlib import Path
@@ -25,7 +25,7 @@ from services.rollout.engines.vllm import hf_manifest  # noqa: E402
 from services.trainer.backends.hf_megatron import Shape, megatron_to_hf  # noqa: E402
 from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
 from services.trainer.backends.megatron_model import (build_gpt, check_architecture, gather_hf,  # noqa: E402
-                                                      rope_kwargs, te_available)
+                                                      rope_kwargs, te_available, vocab_parallel_logprobs)
 
 
 def policy(*overrides: str):
@@ -179,3 +179,19 @@ def test_what_the_built_model_would_compute_differently_from_hf_is_refused():
         rope_kwargs(LlamaConfig(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))
     with pytest.raises(ValueError, match="o_proj and MLP biases"):
         check_architecture(LlamaConfig(attention_bias=True))
+
+
+@pytest.mark.parametrize("chunk", [None, 3, 4, 64])
+def test_vocab_parallel_logprobs_in_chunks_equal_log_softmax_in_values_and_gradients(one_rank, chunk):
+    """megatron-core's vocab-parallel cross entropy (one TP rank) chunk by chunk (policy.logprob_chunk_size) against
+    torch's log_softmax over the whole sequence, bfloat16 logits as the model gives them."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 10, 32).bfloat16().requires_grad_()
+    targets, upstream = torch.randint(0, 32, (2, 10)), torch.randn(2, 10)
+    want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (want_grad,) = torch.autograd.grad((want * upstream).sum(), logits)
+    got = vocab_parallel_logprobs(logits, targets, 0.7, chunk)
+    (got_grad,) = torch.autograd.grad((got * upstream).sum(), logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=0, atol=1e-2)
