@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1153,14 +1154,22 @@ HINTS = {"grpo.max_staleness": "k is grpo.async_grpo.max_trajectory_age_steps, w
 """Keys Flywheel once had: the unknown-key error says what replaced them."""
 
 
+ROOT_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)[ :/]")
+"""A dotted key at the start of a message."""
+
+
 def _problems(err: ValidationError) -> list[Problem]:
     out = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"] if not str(p)[:1].isupper() and "[" not in str(p)) or "<root>"
+        message = e["msg"].removeprefix("Value error, ")
+        named = ROOT_KEY.match(message)
+        if key == "<root>" and named:  # a check across sections, about the key its message begins with
+            key, message = named[1], message.removeprefix(f"{named[1]}: ")
         if e["type"] == "extra_forbidden":
             out.append((key, f"unknown key{'; ' + HINTS[key] if key in HINTS else ''}"))
         elif e["type"].startswith("value_error"):
-            out.append((key, e["msg"].removeprefix("Value error, ")))
+            out.append((key, message))
         else:
             out.append((key, f"{e['msg']} (got {e.get('input')!r})"))
     return out

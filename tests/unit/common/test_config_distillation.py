@@ -70,8 +70,8 @@ def test_the_teachers_temperature_is_taken_from_its_generation_section():
     ("teacher.megatron_cfg.enabled=true", "teacher.megatron_cfg", "Megatron-Core teachers are not built"),
     ("teacher.max_total_sequence_length=1024", "teacher.max_total_sequence_length", "whole sequences"),
     ("teacher.tokenizer.name=Qwen/Qwen3-8B", "teacher.tokenizer.name", "must be the student's"),
-    ("policy.megatron_cfg.enabled=true", "<root>", "the distillation step is the FSDP2 backend's"),
-    ("teacher.model_name=null", "<root>", "needs a teacher"),
+    ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg.enabled", "the distillation step is the FSDP2 backend's"),
+    ("teacher.model_name=null", "teacher.model_name", "needs a teacher"),
     ("++sft.max_num_steps=3", "<root>", "a run trains one algorithm"),
 ])
 def test_a_key_flywheel_cannot_honour_in_a_distillation_run_is_refused_with_its_reason(override, key, reason):
