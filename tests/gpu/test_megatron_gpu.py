@@ -66,6 +66,22 @@ def logits_gap(backend, cfg) -> tuple[float, float]:
     return (got - want).abs().max().item(), want.abs().max().item()
 
 
+def chunking_gap(backend) -> tuple[float, float]:
+    """policy.logprob_chunk_size's chunks of megatron's vocab-parallel cross entropy against the whole sequence at
+    once, on the GPU: the largest difference in values, and in the logits' gradients (bfloat16, as the logits)."""
+    import torch
+
+    from services.trainer.backends.megatron_model import vocab_parallel_logprobs
+
+    ids = torch.randint(4, 60, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
+    logits = backend.model(input_ids=ids, position_ids=None, attention_mask=None)
+    whole = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], 0.7, None)
+    chunked = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], 0.7, 5)
+    (g_whole,) = torch.autograd.grad(whole.sum(), logits, retain_graph=True)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    return (whole - chunked).abs().max().item(), (g_whole - g_chunked).float().abs().max().item()
+
+
 def step(backend, cfg, seed: int = 0) -> dict:
     from trainer_harness import step_batch
 
@@ -128,6 +144,9 @@ def test_megatron_bf16_step_runs_and_stays_near_hf_logits(figures):
         gap, scale = logits_gap(backend, cfg)
         figures.update(logits_max_abs_diff=gap, logits_max_abs=scale)
         assert gap <= 0.05 * max(1.0, scale), f"bf16 Megatron logits differ from HF's float32 by {gap}"
+        values, grads = chunking_gap(backend)
+        figures.update(logprob_chunking_value_diff=values, logprob_chunking_grad_diff=grads)
+        assert values <= 1e-5 and grads <= 1e-3, f"chunked vocab-parallel logprobs differ: {values}, {grads}"
         figures["step1"] = step(backend, cfg)
         check_manifest(backend, cfg, tied=True)
     finally:
