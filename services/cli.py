@@ -89,7 +89,7 @@ def _planned(cfg: FlywheelConfig) -> FlywheelConfig:
     from services.common.data.offline_tokens import offline_plan_config
     from services.controller.tracking import TrackerError, check_trackers
 
-    cfg.policy.generation.check_tool_parser()
+    cfg.policy.generation.check_parsers()
     check_teacher(cfg)
     try:
         check_chat_template(cfg.policy)

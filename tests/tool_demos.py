@@ -74,22 +74,26 @@ def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tup
 
 
 def supervise(out: Path, demo, *, steps: int, seed: int = 0, batch: int = 16, overrides: list[str] = (),
-              threads: int | None = None) -> Path:
+              threads: int | None = None, added_tokens: list[str] = ()) -> Path:
     """Train the tiny model (policy config with `overrides`) `steps` AdamW steps on batches of `demo(tok, rng)`
     (token ids, trained mask); cross-entropy on the trained tokens only. Saved with its tokenizer to `out`.
     `threads`: torch's for the training (a model this small trains several times faster on one thread than on
-    two cores other processes are using)."""
+    two cores other processes are using). `added_tokens`: added to the tiny tokenizer first, not special (as a
+    thinking model's tags are: decoded with the text, and looked up as tokens by vLLM's reasoning parsers)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return _supervise(out, demo, steps=steps, seed=seed, batch=batch, overrides=overrides)
+        return _supervise(out, demo, steps=steps, seed=seed, batch=batch, overrides=overrides,
+                          added_tokens=added_tokens)
     finally:
         torch.set_num_threads(before)
 
 
-def _supervise(out: Path, demo, *, steps: int, seed: int, batch: int, overrides: list[str]) -> Path:
+def _supervise(out: Path, demo, *, steps: int, seed: int, batch: int, overrides: list[str],
+               added_tokens: list[str]) -> Path:
     cfg = load_config(None, list(overrides))
     tok = build_tiny_tokenizer()
+    tok.add_tokens(list(added_tokens))
     model = build_tiny_model(cfg.policy, len(tok), seed).train()
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)

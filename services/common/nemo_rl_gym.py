@@ -10,7 +10,8 @@ NeMo RL opens a NemoGymDataset's data_path relative to its checkout, where `3rdp
 NeMo Gym's source tree; Flywheel's NeMo Gym is the `nemo-gym` package in its own venv, whose site-packages
 hold the same tree (`resources_servers/...`). So such a path that does not exist from the working directory
 is read from there. `policy.generation.vllm_cfg.expose_http_server` is a move to
-`policy.generation.endpoint.enabled` (nemo_rl.py).
+`policy.generation.endpoint.enabled` (nemo_rl.py); env.nemo_gym's `invalid_tool_call_patterns` and `thinking_tags`,
+which NeMo RL reads itself, are the endpoint's (it flags the turns it answers).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
     if gym.get("is_trajectory_collection"):
         problems.append(("env.nemo_gym.is_trajectory_collection", "Flywheel cannot honour True: to collect "
                          "NeMo Gym rollouts without training, run `flywheel collect` with this config"))
+    _flaw_markers(tree, gym, notes)
     data = tree.setdefault("data", {})
     train = _take_gym_sets(data, "train", problems)
     validation = _take_gym_sets(data, "validation", problems)
@@ -86,6 +88,22 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
     notes.append(("env.nemo_gym", f"read as the agent environment {name!r} (type nemo_gym): ng_run starts its "
                                   "servers from the NeMo Gym venv, its model server pointed at rollout's endpoint"))
     notes.append((key, f"read as environment {name!r}'s dataset: {spec['dataset']}"))
+
+
+FLAW_MARKERS = ("invalid_tool_call_patterns", "thinking_tags")
+"""env.nemo_gym keys NeMo RL reads itself, to flag a turn's flaws, which are the endpoint's here."""
+
+
+def _flaw_markers(tree: dict, gym: dict, notes: list[Problem]) -> None:
+    """env.nemo_gym's flaw markers -> policy.generation.endpoint's: the endpoint flags turns (NeMo RL's bridge
+    flags NeMo Gym's output items); null or empty, NeMo RL's defaults, which are the endpoint's."""
+    for key in FLAW_MARKERS:
+        value = gym.pop(key, None)
+        if value:
+            endpoint = tree.setdefault("policy", {}).setdefault("generation", {}).setdefault("endpoint", {})
+            endpoint[key] = value
+            notes.append((f"env.nemo_gym.{key}", f"read as policy.generation.endpoint.{key}: the endpoint flags "
+                                                 f"each turn it answers"))
 
 
 def _validate_on(data: dict, name: str, sets: list[tuple[str, dict]], problems: list[Problem],

@@ -13,6 +13,10 @@ from services.common.pb.flywheel.v1 import types_pb2
 from services.common.rewards import scale_reward
 
 
+FLAW_BITS = sum(types_pb2.TurnFlaw.values())
+"""Every TurnFlaw bit; Completion.flaws holds no other."""
+
+
 class Malformed(ValueError):
     """The message cannot be stored; str(err) is the short reason sent with the dead letter."""
 
@@ -40,6 +44,10 @@ def check_group(group: types_pb2.TrajectoryGroup) -> None:
         if len(c.generated_mask) != n or len(c.generation_logprobs) != n:
             raise Malformed(f"completion {i}: lengths differ: token_ids {n}, generated_mask "
                             f"{len(c.generated_mask)}, generation_logprobs {len(c.generation_logprobs)}")
+        if c.flaws and (len(c.flaws) != n or any(f and not g for f, g in zip(c.flaws, c.generated_mask))
+                        or any(f & ~FLAW_BITS for f in c.flaws)):
+            raise Malformed(f"completion {i}: flaws must be empty, or TurnFlaw bits per token set only on "
+                            f"generated tokens ({len(c.flaws)} for {n} tokens)")
         if c.version_end < c.version_start:
             raise Malformed(f"completion {i}: version_end {c.version_end} < version_start {c.version_start}")
     oldest = min(c.version_start for c in group.completions)

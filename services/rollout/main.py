@@ -416,7 +416,7 @@ def hand_back_delay(deliveries: int) -> float:
 
 
 async def serve(cfg: FlywheelConfig) -> None:
-    cfg.policy.generation.check_tool_parser()
+    cfg.policy.generation.check_parsers()
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -450,6 +450,6 @@ async def start_endpoint(cfg: FlywheelConfig, engine: Engine, worker_id: str):
         return None
     from services.rollout.endpoint.server import EndpointServer
 
-    endpoint = EndpointServer(cfg, engine, worker_id, tool_parser=cfg.policy.generation.tool_parser)
+    endpoint = EndpointServer(cfg, engine, worker_id)
     await endpoint.start()
     return endpoint

@@ -1,6 +1,7 @@
 """Tool calls in generated text, and chat templates rendered with tools.
 
-`parse_tool_calls` reads the calls a model wrote, with the parser of its family that vLLM ships
+`split_reasoning` takes a thinking model's reasoning off its text (`policy.generation.reasoning_parser`, vLLM's
+reasoning parsers), and `parse_tool_calls` reads the calls a model wrote, with the parser of its family that vLLM ships
 (`policy.generation.tool_parser`: "hermes", "llama3_json", "qwen3_coder", "mistral", ... any name in vLLM's
 `ToolParserManager`). The parsers are pure Python over the tokenizer, so the hf backend uses them too; only the
 vllm package must be installed (the config refuses a tool_parser without it). Both the episode loop and the
@@ -39,6 +40,40 @@ def parse_tool_calls(text: str, *, parser: str | None, tokenizer, tools: list[di
     calls = [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in info.tool_calls]
     return info.content, calls
+
+
+def split_reasoning(text: str, *, parser: str | None, tokenizer) -> tuple[str | None, str | None]:
+    """(reasoning, the rest) of one generated text, by vLLM's reasoning parser `parser`, as its chat server splits
+    them before reading tool calls from the rest. No parser: (None, text)."""
+    if parser is None:
+        return None, text
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return _reasoning_parser(parser, tokenizer).extract_reasoning(
+        text, ChatCompletionRequest(model="flywheel", messages=[]))
+
+
+def load_reasoning_parser(name: str, tokenizer) -> None:
+    """Raises ValueError naming vLLM's reasoning parsers when `name` is not one of them, or when it cannot read
+    this tokenizer (a thinking parser needs its tags in the vocabulary): at a worker's start, not its first call."""
+    from vllm.reasoning import ReasoningParserManager
+
+    if name not in ReasoningParserManager.list_registered():
+        raise ValueError(f"policy.generation.reasoning_parser {name!r} is not one of vLLM's reasoning parsers: "
+                         f"{', '.join(ReasoningParserManager.list_registered())}")
+    try:
+        _reasoning_parser(name, tokenizer)
+    except Exception as err:  # noqa: BLE001 - vLLM's parsers fail in their own ways on a vocabulary they cannot read
+        raise ValueError(f"policy.generation.reasoning_parser {name!r} cannot read this tokenizer: {err}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _reasoning_parser(name: str, tokenizer):
+    """One parser per (name, tokenizer); only the non-streaming `extract_reasoning` is called, which keeps no
+    state between calls."""
+    from vllm.reasoning import ReasoningParserManager
+
+    return ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
 
 
 def load_parser(name: str, tokenizer) -> None:

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from services.common.config import GRPOConfig
 from services.common.rewards import scale_reward
-from services.trainer.algorithms import (compute_advantages, gdpo_advantages, overlong_reward_penalty,
-                                         reinforce_plus_plus_advantages)
+from services.trainer.algorithms import (compute_advantages, flawed_turn_advantages, gdpo_advantages,
+                                         overlong_reward_penalty, reinforce_plus_plus_advantages)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +44,8 @@ class TrainBatch:
     """[B] bool."""
     named_rewards: dict[str, Tensor]
     """Reward component name -> [B] float, for the names every sample has (GDPO's inputs)."""
+    flaws: Tensor
+    """[B, L-1] uint8: TurnFlaw bits of the turn that generated each target (Completion.flaws), 0 elsewhere."""
     teacher_topk_logits: Tensor | None = None
     """Distillation: [B, L-1, k] float, the teacher's top-k logits (unscaled) at the position predicting each target;
     0 where the completion has none (prompt, padding). None outside distillation."""
@@ -76,9 +78,12 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False, teache
     topk_logits_k; every completion must then carry Completion.teacher with that k (else MissingTeacherScores)."""
     rows, gen_mask, gen_lp, rewards, prompt_ids, versions, envs, truncated = [], [], [], [], [], [], [], []
     named: list[dict[str, float]] = []
+    flawed: list[tuple[int, int, list[int]]] = []  # (row, where its completion starts, the completion's flaws)
     for g in groups:
         p = list(g.prompt_token_ids)
         for c in g.completions:
+            if c.flaws:
+                flawed.append((len(rows), len(p), list(c.flaws)))
             named.append(dict(c.named_rewards))
             rows.append(p + list(c.token_ids))
             gen_mask.append([False] * len(p) + list(c.generated_mask))
@@ -98,6 +103,9 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False, teache
         attn[i, : len(r)] = 1
         mask[i, : len(r)] = torch.tensor(gen_mask[i], dtype=torch.float32)
         lp[i, : len(r)] = torch.tensor(gen_lp[i])
+    flaws = torch.zeros(len(rows), width, dtype=torch.uint8)
+    for i, start, f in flawed:
+        flaws[i, start:start + len(f)] = torch.tensor(f, dtype=torch.uint8)
     trunc = torch.tensor(truncated, dtype=torch.bool)
     sample_mask = (~trunc).float() if overlong_filtering else torch.ones(len(rows))
     # No generated token (a prompt past data.max_input_seq_length): out of the loss and of its sample counts,
@@ -108,7 +116,7 @@ def build_batch(groups, pad_id: int, *, overlong_filtering: bool = False, teache
     return TrainBatch(input_ids=ids, attention_mask=attn, targets=ids[:, 1:], token_mask=mask[:, 1:],
                       generation_logprobs=lp[:, 1:], rewards=torch.tensor(rewards, dtype=torch.float32),
                       sample_mask=sample_mask, prompt_ids=prompt_ids, version_start=torch.tensor(versions),
-                      env_names=envs, truncated=trunc,
+                      env_names=envs, truncated=trunc, flaws=flaws[:, 1:],
                       named_rewards={k: torch.tensor([n[k] for n in named], dtype=torch.float32) for k in shared},
                       teacher_topk_logits=topk[0], teacher_topk_indices=topk[1])
 
@@ -139,7 +147,20 @@ def _check_teacher(g, c, n: int, k: int) -> None:
 
 
 def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
-    """Advantages of a step's batch by grpo.adv_estimator, as NeMo RL computes them.
+    """Advantages of a step's batch ([B], or [B, L-1] once a flawed turn's tokens are overridden), as NeMo RL
+    computes them: the estimator's, then grpo.invalid_tool_call_advantage / malformed_thinking_advantage on the
+    tokens of flagged turns (algorithms/flaws.py)."""
+    advantages, metrics = estimated_advantages(b, g)
+    if g.invalid_tool_call_advantage is None and g.malformed_thinking_advantage is None:
+        return advantages, metrics
+    advantages, penalties = flawed_turn_advantages(
+        advantages, b.token_mask, b.flaws, invalid_tool_call=g.invalid_tool_call_advantage,
+        malformed_thinking=g.malformed_thinking_advantage)
+    return advantages, metrics | penalties
+
+
+def estimated_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
+    """[B] advantages of a step's batch by grpo.adv_estimator, as NeMo RL computes them.
 
     Every generated sample counts for its group's baseline (and GRPO's std), truncated ones included
     (NeMo RL's estimators take valid_mask = ones). Overlong filtering acts on the loss, through

@@ -9,7 +9,8 @@ The oracles are the agents' own records against the batches the trainer consumed
 Redis): the program agent's log of the token ids the endpoint answered it with, and verifiers' rubric's record of
 the reply its client got back and the reward it gave. NeMo Gym's completions must carry its reward components
 (test_nemo_gym_e2e.py checks their values against /verify). Some program-agent prompts make their first episode
-crash: their groups fail, are handed back and run again, and the run goes on."""
+crash: their groups fail, are handed back and run again, and the run goes on. With NeMo RL's advantage overrides
+for flawed turns on, the trainer's turn counts are the consumed batches' (runs of generated tokens)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def _write(tmp_path: Path) -> Path:
         "policy": {"model_name": "tiny", "max_total_sequence_length": 512,
                    "generation": {"backend": "hf", "max_new_tokens": 8, "tool_parser": "hermes"}},
         "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 2, "max_num_steps": STEPS,
-                 "val_period": 0, "val_at_start": False},
+                 "val_period": 0, "val_at_start": False, "invalid_tool_call_advantage": -1.0,
+                 "malformed_thinking_advantage": -1.0},
         "environments": [{"name": "toy", "kind": "toy_copy"},
                          {"name": "agent", "kind": "agent", "dataset": str(tmp_path / "rows.jsonl"),
                           "timeout_s": 120, "agent": agent},
@@ -110,11 +112,37 @@ def test_a_program_a_verifiers_and_a_nemo_gym_agent_train_beside_a_built_in_envi
     # copy 0 and copy 1 crashed their first time: their groups were handed back and ran again; the run went on.
     assert "handing it back: AgentFailed('crash" in rollout_log
     assert len(rows) >= STEPS
-    _check_verifiers([g for g in groups if g.env_name == "add"], read_rows(tmp_path / "episodes.jsonl"),
-                     load_tokenizer_without_torch(cfg.policy))
+    tokenizer = load_tokenizer_without_torch(cfg.policy)
+    _check_verifiers([g for g in groups if g.env_name == "add"], read_rows(tmp_path / "episodes.jsonl"), tokenizer)
+    _check_flawed_turns(groups, [r for r in rows if "train/num_assistant_messages" in r], tokenizer, cfg)
     for g in (g for g in groups if g.env_name == "gym"):
         for c in g.completions:  # NeMo Gym's /verify's components, as GDPO would read them
             assert sum(c.generated_mask) > 0 and c.named_rewards, c
+
+
+def _turns(c) -> list[tuple[list[int], int]]:
+    """Each run of generated tokens of a completion (a turn): its token ids and its flaws."""
+    turns, start = [], None
+    for i, g in enumerate([*c.generated_mask, False]):
+        if g and start is None:
+            start = i
+        elif not g and start is not None:
+            turns.append((list(c.token_ids)[start:i], c.flaws[start] if c.flaws else 0))
+            start = None
+    return turns
+
+
+def _check_flawed_turns(groups, rows: list[dict], tokenizer, cfg) -> None:
+    """The trainer counted the turns and flawed turns of the batches replay handed it (Redis's record), and every
+    turn flagged holds the markup it was flagged for."""
+    turns = [t for g in groups for c in g.completions for t in _turns(c)]
+    assert sum(r["train/num_assistant_messages"] for r in rows) == len(turns)
+    assert sum(r["train/num_invalid_tool_calls"] for r in rows) == sum(f & 1 for _, f in turns)
+    markers = cfg.policy.generation.endpoint
+    for ids, flaws in turns:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert not flaws & 1 or any(p in text for p in markers.invalid_tool_call_patterns), text
+        assert not flaws & 2 or any(t in text for t in markers.thinking_tags), text
 
 
 def _check_verifiers(groups, episodes: list[dict], tokenizer) -> None:

@@ -6,6 +6,10 @@ With `return_token_ids` the answer carries vLLM's fields (top-level `prompt_toke
 and Flywheel's per choice `policy_versions` (the policy version that sampled each token). The engines return
 whole completions, so a stream carries each choice's text in one delta: it has the shape of a stream, not
 earlier tokens.
+
+With `policy.generation.reasoning_parser` a reply's reasoning is its message's `reasoning` (vLLM's field), and
+an assistant message sent back with `reasoning` (or the older `reasoning_content`) gives it to the chat template,
+as vLLM's server does. Each reply is judged for flaws (flaws.py), which the episode's samples carry.
 """
 
 from __future__ import annotations
@@ -14,20 +18,25 @@ import json
 import time
 import uuid
 
+from services.common.config import GenerationConfig
+from services.rollout.endpoint.flaws import turn_flaws
 from services.rollout.endpoint.generation import Generator, Result
 from services.rollout.endpoint.recording import Turn
 from services.rollout.endpoint.render import (canonical, off_loop_if_long, render_ids, spliced,
                                              template_messages)
 from services.rollout.endpoint.schemas import ChatRequest
 from services.rollout.endpoint.sessions import Episode
-from services.rollout.tools import parse_tool_calls
+from services.rollout.tools import load_reasoning_parser, parse_tool_calls, split_reasoning
 
 
 class Chat:
-    def __init__(self, generator: Generator, tokenizer, tool_parser: str | None, model_name: str) -> None:
-        self.generator, self.tokenizer = generator, tokenizer
-        self.tool_parser, self.model_name = tool_parser, model_name
+    def __init__(self, generator: Generator, tokenizer, g: GenerationConfig, model_name: str) -> None:
+        self.generator, self.tokenizer, self.model_name = generator, tokenizer, model_name
+        self.tool_parser, self.reasoning_parser = g.tool_parser, g.reasoning_parser
+        self.flaw_patterns = g.endpoint.invalid_tool_call_patterns, g.endpoint.thinking_tags
         self.stops = {tokenizer.eos_token_id, *(generator.default.stop_token_ids or [])}
+        if g.reasoning_parser is not None:
+            load_reasoning_parser(g.reasoning_parser, tokenizer)
 
     async def answer(self, episode: Episode, req: ChatRequest) -> tuple[dict, Result]:
         """The ChatCompletion object (and the call's result), recorded in the episode."""
@@ -37,13 +46,12 @@ class Chat:
         history = canonical(messages, tools)
         prompt = await off_loop_if_long(len(history), self.prompt_ids, episode, messages, tools, kwargs)
         result = await self.generator.generate(episode, "chat", prompt, req, req.budget(), req.n)
-        replies, turns = [], []
-        for out in result.outs:
-            content, calls = self.parse(out.text, tools, req.tool_choice)
-            replies.append((content, calls))
-            turns.append(Turn(history=history, reply=reply_key(content, calls),
-                              token_ids=prompt + out.token_ids))
-        self.generator.record(episode, result, turns, conversation=messages + template_messages_of(*replies[0]))
+        replies = [self.parse(out.text, tools, req.tool_choice) for out in result.outs]
+        turns = [Turn(history=history, reply=reply_key(*reply), token_ids=prompt + out.token_ids)
+                 for out, reply in zip(result.outs, replies)]
+        patterns, tags = self.flaw_patterns
+        flaws = [turn_flaws(*reply, patterns=patterns, tags=tags) for reply in replies]
+        self.generator.record(episode, result, turns, flaws, conversation=messages + assistant_messages(*replies[0]))
         return self.completion(req, result, replies), result
 
     def prompt_ids(self, episode: Episode, messages: list[dict], tools, kwargs: dict) -> list[int]:
@@ -57,15 +65,21 @@ class Chat:
                     return ids
         return render_ids(self.tokenizer, messages, tools, kwargs, generation=True)
 
-    def parse(self, text: str, tools, tool_choice) -> tuple[str | None, list[dict]]:
-        if not tools or tool_choice == "none":
-            return text, []
-        return parse_tool_calls(text, parser=self.tool_parser, tokenizer=self.tokenizer, tools=tools)
+    def parse(self, text: str, tools, tool_choice) -> tuple[str | None, str | None, list[dict]]:
+        """(content, reasoning, tool calls) of one generated text: the reasoning parser first, then the tool parser
+        on what it left, as vLLM's chat server reads them."""
+        reasoning, content = split_reasoning(text, parser=self.reasoning_parser, tokenizer=self.tokenizer)
+        if content is None or not tools or tool_choice == "none":
+            return content, reasoning, []
+        content, calls = parse_tool_calls(content, parser=self.tool_parser, tokenizer=self.tokenizer, tools=tools)
+        return content, reasoning, calls
 
     def completion(self, req: ChatRequest, result: Result, replies: list) -> dict:
         choices = []
-        for i, (out, (content, calls)) in enumerate(zip(result.outs, replies)):
+        for i, (out, (content, reasoning, calls)) in enumerate(zip(result.outs, replies)):
             message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             entries = self.logprobs(out, req.return_tokens_as_token_ids) if req.logprobs else None
@@ -91,15 +105,17 @@ class Chat:
         return entries
 
 
-def reply_key(content: str | None, calls: list[dict]) -> str:
+def reply_key(content: str | None, reasoning: str | None, calls: list[dict]) -> str:
     """The assistant message as the agent sends it back, canonical (content None and "" alike)."""
-    return canonical(template_messages_of(content, calls))
+    return canonical(assistant_messages(content, reasoning, calls))
 
 
-def template_messages_of(content: str | None, calls: list[dict]) -> list[dict]:
+def assistant_messages(content: str | None, reasoning: str | None, calls: list[dict]) -> list[dict]:
+    """The reply as the chat template takes it back."""
     from services.rollout.endpoint.schemas import Message
 
-    return template_messages([Message(role="assistant", content=content, tool_calls=calls or None)])
+    return template_messages([Message(role="assistant", content=content, reasoning=reasoning,
+                                      tool_calls=calls or None)])
 
 
 def finish(out, calls: list[dict]) -> str:
@@ -121,6 +137,8 @@ def stream(body: dict, include_usage: bool):
                    "finish_reason": None}
         yield sse(head | {"choices": [opening]})
         delta = {"content": message["content"]}
+        if "reasoning" in message:
+            delta["reasoning"] = message["reasoning"]
         if message.get("tool_calls"):
             delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(message["tool_calls"])]
         yield sse(head | {"choices": [{"index": i, "delta": delta, "logprobs": choice["logprobs"],

@@ -105,11 +105,13 @@ class Generator:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
 
-    def record(self, episode: Episode, result: Result, turns: list[Turn] = (),
+    def record(self, episode: Episode, result: Result, turns: list[Turn] = (), flaws: list[int] = (),
                conversation: list[dict] | None = None) -> None:
-        choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated,
+        """`flaws`: each choice's TurnFlaw bits (flaws.py); none given, none found."""
+        flaws = list(flaws) or [0] * len(result.outs)
+        choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated, flaws=f,
                           versions=list(o.versions) or [self.engine.version] * len(o.token_ids))
-                   for o in result.outs]
+                   for o, f in zip(result.outs, flaws, strict=True)]
         episode.recording.record(Call(prompt_ids=result.prompt_ids, choices=choices), list(turns), conversation)
 
 

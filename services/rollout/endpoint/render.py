@@ -49,6 +49,9 @@ def template_messages(messages: list[Message]) -> list[dict]:
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                 for c in m.tool_calls]
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if m.role == "assistant" and reasoning is not None:  # both names, as vLLM gives templates
+            d["reasoning"] = d["reasoning_content"] = reasoning
         out.append(d)
     return out
 

@@ -2,12 +2,13 @@
 
 Input items become chat messages as NeMo Gym's VLLMConverter makes them: `instructions` a leading system
 message; `message` items by role (input_text / output_text parts joined); consecutive assistant `message`,
-`reasoning` (summary wrapped in <think></think>) and `function_call` items one assistant message with
-tool_calls; `function_call_output` a tool message. Responses-style tools ({type, name, description,
-parameters}) become chat tools. The answer's output items are a `message` (when there is text or nothing else)
-and one `function_call` per tool call; the last item carries NeMo Gym's `prompt_token_ids`,
-`generation_token_ids`, `generation_log_probs` and Flywheel's `policy_versions`. Items sent back with those
-fields are accepted: the endpoint's own record decides what extends what.
+`reasoning` (summary wrapped in <think></think>, or the message's `reasoning` when a reasoning parser serves) and
+`function_call` items one assistant message with tool_calls; `function_call_output` a tool message.
+Responses-style tools ({type, name, description, parameters}) become chat tools. The answer's output items are a
+`reasoning` item (when the reasoning parser found some), a `message` (when there is text or nothing else) and
+one `function_call` per tool call; the last item carries NeMo Gym's `prompt_token_ids`, `generation_token_ids`,
+`generation_log_probs` and Flywheel's `policy_versions`. Items sent back with those fields are accepted: the
+endpoint's own record decides what extends what.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ PASSED = ("model", "temperature", "top_p", "metadata", "store", "user", "service
 
 async def answer(chat: Chat, episode: Episode, req: ResponsesRequest) -> dict:
     body = {k: getattr(req, k) for k in PASSED if getattr(req, k) is not None}
-    body.update(messages=messages(req), return_token_ids=True, max_tokens=req.max_output_tokens)
+    body.update(messages=messages(req, chat.reasoning_parser is not None), return_token_ids=True,
+                max_tokens=req.max_output_tokens)
     if req.tools:
         body.update(tools=[chat_tool(t) for t in req.tools], tool_choice=req.tool_choice)
     completion, result = await chat.answer(episode, parse(ChatRequest, body))
@@ -49,7 +51,10 @@ async def answer(chat: Chat, episode: Episode, req: ResponsesRequest) -> dict:
                       "total_tokens": u["total_tokens"]}}
 
 
-def messages(req: ResponsesRequest) -> list[dict]:
+def messages(req: ResponsesRequest, reasoning_apart: bool = False) -> list[dict]:
+    """The request's input items as chat messages. `reasoning_apart` (a reasoning parser serves): a `reasoning`
+    item is its assistant message's `reasoning`, as the endpoint answered it; else its summary in <think></think>
+    before the text, as NeMo Gym's converter writes it."""
     items = req.input
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -61,7 +66,7 @@ def messages(req: ResponsesRequest) -> list[dict]:
             if assistant is None:
                 assistant = {"role": "assistant", "content": ""}
                 out.append(assistant)
-            extend_assistant(assistant, kind, item)
+            extend_assistant(assistant, kind, item, reasoning_apart)
             continue
         assistant = None
         if kind == "message":
@@ -75,10 +80,13 @@ def messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-def extend_assistant(assistant: dict, kind: str, item: dict) -> None:
+def extend_assistant(assistant: dict, kind: str, item: dict, reasoning_apart: bool) -> None:
     if kind == "reasoning":
         summary = "".join(s.get("text", "") for s in item.get("summary") or [] if isinstance(s, dict))
-        assistant["content"] += f"<think>{summary}</think>" if summary else ""
+        if reasoning_apart:
+            assistant["reasoning"] = assistant.get("reasoning", "") + summary
+        else:
+            assistant["content"] += f"<think>{summary}</think>" if summary else ""
     elif kind == "function_call":
         function = {"name": item.get("name"), "arguments": item.get("arguments")}
         assistant.setdefault("tool_calls", []).append(
@@ -105,8 +113,11 @@ def chat_tool(tool: dict) -> dict:
 
 def output_items(message: dict) -> list[dict]:
     items = []
+    if message.get("reasoning") is not None:
+        items.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "completed",
+                      "summary": [{"type": "summary_text", "text": message["reasoning"]}]})
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or items):
         items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                       "status": "completed", "content": [
                           {"type": "output_text", "text": message.get("content") or "", "annotations": []}]})

@@ -57,8 +57,10 @@ class Message(Strict):
     annotations: list[Any] | None = None
     audio: Any = None
     function_call: Any = None
-    reasoning_content: str | None = None
     reasoning: str | None = None
+    """An earlier reply's reasoning, given to the chat template (render.py)."""
+    reasoning_content: str | None = None
+    """`reasoning`'s older name."""
     prompt_token_ids: list[int] | None = None
     generation_token_ids: list[int] | None = None
     generation_log_probs: list[float] | None = None

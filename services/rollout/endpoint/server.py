@@ -33,14 +33,13 @@ log = logging.getLogger("flywheel.rollout.endpoint")
 
 
 class EndpointServer:
-    def __init__(self, cfg: FlywheelConfig, engine: Engine, worker_id: str,
-                 tool_parser: str | None = None) -> None:
+    def __init__(self, cfg: FlywheelConfig, engine: Engine, worker_id: str) -> None:
         self.cfg = cfg
         self.settings = cfg.policy.generation.endpoint
         self.sessions = Sessions()
         self.generator = generator = Generator(engine, cfg.policy.generation, worker_id)
         name = cfg.policy.model_name
-        self.app = make_app(self.sessions, Chat(generator, engine.tokenizer, tool_parser, name),
+        self.app = make_app(self.sessions, Chat(generator, engine.tokenizer, cfg.policy.generation, name),
                             Completions(generator, engine.tokenizer, name), name,
                             cfg.security.max_message_mb << 20)
         self.server: uvicorn.Server | None = None

@@ -33,6 +33,8 @@ class Choice:
     """Policy version that sampled each token; [n]."""
     truncated: bool = False
     """Stopped by max_tokens (or the sequence limit) rather than a stop."""
+    flaws: int = 0
+    """TurnFlaw bits the endpoint found in this reply (flaws.py); every one of its tokens carries them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +56,8 @@ class Sample:
     """Per token: the engine's logprob where generated, 0.0 elsewhere."""
     versions: list[int] = field(default_factory=list)
     """Per token: the policy version that sampled it, -1 where not generated."""
+    flaws: list[int] = field(default_factory=list)
+    """Per token: the TurnFlaw bits of the reply that generated it, 0 where not generated."""
     calls: int = 0
     """Calls whose choice this sample ends with or passes through."""
     truncated: bool = False
@@ -61,8 +65,8 @@ class Sample:
 
     def copy(self) -> Sample:
         return Sample(token_ids=list(self.token_ids), generated_mask=list(self.generated_mask),
-                      logprobs=list(self.logprobs), versions=list(self.versions), calls=self.calls,
-                      truncated=self.truncated)
+                      logprobs=list(self.logprobs), versions=list(self.versions), flaws=list(self.flaws),
+                      calls=self.calls, truncated=self.truncated)
 
     def extend(self, tokens: list[int], choice: Choice | None) -> None:
         """Append `tokens` masked (context), or the choice's tokens trainable when `choice` is given."""
@@ -71,11 +75,13 @@ class Sample:
             self.generated_mask += [False] * len(tokens)
             self.logprobs += [0.0] * len(tokens)
             self.versions += [-1] * len(tokens)
+            self.flaws += [0] * len(tokens)
             return
         self.token_ids += choice.token_ids
         self.generated_mask += [True] * len(choice.token_ids)
         self.logprobs += choice.logprobs
         self.versions += choice.versions
+        self.flaws += [choice.flaws] * len(choice.token_ids)
         self.calls += 1
         self.truncated |= choice.truncated
 
@@ -141,9 +147,9 @@ def group_rows(samples: list[Sample]) -> tuple[list[int], list[dict]]:
     """Samples (of one episode or of a prompt group's episodes) in a TrajectoryGroup's shape: the longest prefix
     that every sample shares and none generated (`prompt_token_ids`), and per sample the fields of a Completion
     (`token_ids` after that prefix, `generated_mask`, `generation_logprobs`, `version_start`, `version_end`,
-    `truncated`). Samples that share nothing give an empty prompt. An empty sample (an episode that never called
-    the model) leaves the prefix to the others and gives an empty completion: were it counted, the prompt would be
-    empty and its row hold no token at all, which the trainer cannot take."""
+    `truncated`, and `flaws` where some turn had one). Samples that share nothing give an empty prompt. An empty
+    sample (an episode that never called the model) leaves the prefix to the others and gives an empty completion:
+    were it counted, the prompt would be empty and its row hold no token at all, which the trainer cannot take."""
     if not samples:
         return [], []
     called = [s for s in samples if s.token_ids] or samples
@@ -153,5 +159,6 @@ def group_rows(samples: list[Sample]) -> tuple[list[int], list[dict]]:
                    or any(s.token_ids[i] != first.token_ids[i] for s in called)), n)
     rows = [{"token_ids": s.token_ids[shared:], "generated_mask": s.generated_mask[shared:],
              "generation_logprobs": s.logprobs[shared:], "version_start": s.version_start,
-             "version_end": s.version_end, "truncated": s.truncated} for s in samples]
+             "version_end": s.version_end, "truncated": s.truncated,
+             "flaws": s.flaws[shared:] if any(s.flaws) else []} for s in samples]
     return first.token_ids[:shared], rows

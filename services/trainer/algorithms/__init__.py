@@ -1,5 +1,6 @@
-"""Training math: GRPO's advantages, clipped policy-gradient loss, off-policy correction and DAPO
-helpers; the offline losses of SFT (sft.py), DPO (dpo.py) and reward-model training (rm.py).
+"""Training math: GRPO's advantages (and NeMo RL's overrides for flawed turns), clipped policy-gradient loss,
+off-policy correction and DAPO helpers; the offline losses of SFT (sft.py), DPO (dpo.py) and reward-model
+training (rm.py).
 
 Pure and IO-free: these modules import torch and services.common.config only, and every
 function returns `(value, metrics)` where it has metrics. Semantics follow NeMo RL
@@ -11,6 +12,7 @@ from services.trainer.algorithms.advantages import (compute_advantages, gdpo_adv
 from services.trainer.algorithms.dapo import overlong_reward_penalty
 from services.trainer.algorithms.distillation import DistillationInputs, DistillationLossConfig, distillation_loss
 from services.trainer.algorithms.dpo import DPOInputs, DPOLossConfig, dpo_loss
+from services.trainer.algorithms.flaws import flawed_turn_advantages
 from services.trainer.algorithms.importance import actor_importance_weights, mask_by_sequence_error, mismatch_metrics
 from services.trainer.algorithms.kl import calculate_kl, reference_kl_per_token
 from services.trainer.algorithms.loss import LossInputs, clipped_pg_loss, reduce_per_token
@@ -31,6 +33,7 @@ __all__ = [
     "compute_advantages",
     "distillation_loss",
     "dpo_loss",
+    "flawed_turn_advantages",
     "gdpo_advantages",
     "group_layout",
     "mask_by_sequence_error",

@@ -1,7 +1,8 @@
 """Chat with tools through the endpoint returns parsed `tool_calls` (issue 33): the tiny model, briefly supervised
 to write tool_add's <tool_call> blocks (tests/tool_demos.py), served by the hf engine behind the endpoint with
 vLLM's hermes parser, asked through the `openai` SDK. The oracle reads the calls from the returned token ids
-itself (the tiny template writes `<tool_call>{json}</tool_call>`), not through the parser under test."""
+itself (the tiny template writes `<tool_call>{json}</tool_call>`), not through the parser under test; it also
+judges which replies are flawed (a call block the parser could not read)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from openai import AsyncOpenAI
 from services.common.config import load_config
 from services.common.modeling import load_policy
 from services.environment.envs.tool_add import ADD_TOOL
+from services.rollout.endpoint.flaws import INVALID_TOOL_CALL
 from services.rollout.endpoint.server import EndpointServer
 from services.rollout.engines import make_engine
 
@@ -35,7 +37,7 @@ async def served(tool_model):
     trainer = Trainer("endpoint-tools")
     model, _ = load_policy(cfg.policy, cfg.run.seed)
     await trainer.push(engine, 0, model)
-    endpoint = EndpointServer(cfg, engine, "endpoint-tools", tool_parser=cfg.policy.generation.tool_parser)
+    endpoint = EndpointServer(cfg, engine, "endpoint-tools")
     await endpoint.start()
     yield endpoint, engine
     await endpoint.stop()
@@ -77,3 +79,26 @@ async def test_a_chat_with_tools_returns_the_calls_the_model_wrote_as_tool_calls
                                                             for c in choice.message.tool_calls)
         parsed += 1
     assert parsed > 0, "the warm-started model wrote no call in any sample"
+
+
+@pytest.mark.parametrize("max_tokens", [20, 80])
+async def test_a_reply_with_call_markup_the_parser_could_not_read_is_flagged_on_its_tokens(served, max_tokens):
+    """At 20 tokens every call block is cut off (the hermes parser reads none: an invalid tool call, NeMo RL's
+    flag); at 80 most are whole. The oracle is the text itself: markup in a reply with no tool_calls returned."""
+    endpoint, engine = served
+    key, token, base_url = endpoint.open_episode(metadata={"group_id": "g"})
+    client = AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0)
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "add 2 3"}],
+                                             tools=[ADD_TOOL], n=SAMPLES, max_tokens=max_tokens,
+                                             extra_body={"return_token_ids": True})
+    samples = endpoint.close_episode(key).samples
+    flagged = 0
+    for choice, sample in zip(r.choices, samples, strict=True):
+        text = engine.tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
+        invalid = not choice.message.tool_calls and ("<tool_call>" in text or "</tool_call>" in text)
+        generated = [f for f, g in zip(sample.flaws, sample.generated_mask) if g]
+        assert generated == [INVALID_TOOL_CALL * invalid] * len(choice.model_extra["token_ids"]), text
+        assert not any(f for f, g in zip(sample.flaws, sample.generated_mask) if not g)
+        flagged += invalid
+    if max_tokens == 20:
+        assert flagged > 0, "the warm-started model began no call block in any sample"

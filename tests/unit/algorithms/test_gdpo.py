@@ -48,7 +48,8 @@ def _groups(named_by_group):
     return [SimpleNamespace(
         prompt_token_ids=[1, 2], prompt_id=f"p{g}", env_name="math_multi_reward",
         completions=[SimpleNamespace(token_ids=[5, 6], generated_mask=[True, True], generation_logprobs=[-1.0, -1.0],
-                                     reward=sum(n.values()), version_start=0, truncated=False, named_rewards=n)
+                                     reward=sum(n.values()), version_start=0, truncated=False, named_rewards=n,
+                                     flaws=[])
                      for n in named])
         for g, named in enumerate(named_by_group)]
 

@@ -39,7 +39,7 @@ def groups_of(rewards_by_group, truncated_by_group):
     groups = []
     for g, (rewards, truncated) in enumerate(zip(rewards_by_group, truncated_by_group)):
         completions = [SimpleNamespace(token_ids=[5, 6], generated_mask=[True, True], generation_logprobs=[-1.0, -1.0],
-                                       reward=r, version_start=0, truncated=t, named_rewards={})
+                                       reward=r, version_start=0, truncated=t, named_rewards={}, flaws=[])
                        for r, t in zip(rewards, truncated)]
         groups.append(SimpleNamespace(prompt_token_ids=[1, 2], completions=completions, prompt_id=f"p{g}",
                                       env_name="math"))
@@ -84,6 +84,6 @@ def test_a_sample_with_no_generated_token_leaves_the_loss_and_its_counts():
     groups = groups_of([[1.0, 0.0]], [[False, False]])
     groups.append(SimpleNamespace(prompt_token_ids=[1, 2, 3, 4], prompt_id="long", env_name="math", completions=[
         SimpleNamespace(token_ids=[], generated_mask=[], generation_logprobs=[], reward=0.0, version_start=0,
-                        truncated=True, named_rewards={}) for _ in range(2)]))
+                        truncated=True, named_rewards={}, flaws=[]) for _ in range(2)]))
     batch = build_batch(groups, pad_id=0)
     assert batch.sample_mask.tolist() == [1.0, 1.0, 0.0, 0.0]

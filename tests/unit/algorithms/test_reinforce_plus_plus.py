@@ -61,7 +61,7 @@ def _groups(rewards_by_group, truncated_by_group, length=2):
         prompt_token_ids=[1, 2], prompt_id=f"p{g}", env_name="math",
         completions=[SimpleNamespace(token_ids=[5] * length, generated_mask=[True] * length,
                                      generation_logprobs=[-1.0] * length, reward=r, version_start=0, truncated=t,
-                                     named_rewards={})
+                                     named_rewards={}, flaws=[])
                      for r, t in zip(rewards, truncated)])
         for g, (rewards, truncated) in enumerate(zip(rewards_by_group, truncated_by_group))]
 

@@ -80,3 +80,34 @@ def test_with_nemo_gym_off_its_section_is_accepted_as_inert():
                              "++environments=[{name: toy, kind: toy_copy}]"])
     assert [e.name for e in cfg.environments] == ["toy"]
     assert any(key == "env.nemo_gym" for key, _ in notes)
+
+
+def test_the_nemotron_super_recipes_agent_keys_land_on_the_endpoint_and_the_trainer():
+    """What NeMo RL's Nemotron-3-Super stages ask of agents (stage3_rlhf's values): the advantage overrides for
+    flawed turns on the trainer, the flaw markers (which NeMo RL reads, not NeMo Gym) and the reasoning parser on
+    the endpoint, vLLM's server-wide template kwargs on the tokenizer; the keys NeMo RL never reads accepted."""
+    cfg, notes = load(GDPO, [*EDITS, "++grpo.invalid_tool_call_advantage=-5.0",
+                             "++grpo.malformed_thinking_advantage=-5.0", "++grpo.penalize_invalid_tool_call=true",
+                             "grpo.async_grpo.max_generation_failures=3",
+                             "++env.nemo_gym.invalid_tool_call_patterns=[<tool_call>,'[TOOL]']",
+                             "++env.nemo_gym.thinking_tags=[<think>,</think>]",
+                             "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser=deepseek_r1",
+                             "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs.default_chat_template_kwargs"
+                             ".enable_thinking=true"])
+    assert (cfg.grpo.invalid_tool_call_advantage, cfg.grpo.malformed_thinking_advantage) == (-5.0, -5.0)
+    endpoint = cfg.policy.generation.endpoint
+    assert endpoint.invalid_tool_call_patterns == ["<tool_call>", "[TOOL]"]
+    assert endpoint.thinking_tags == ["<think>", "</think>"]
+    [env] = cfg.environments
+    assert not {"invalid_tool_call_patterns", "thinking_tags"} & set(env.agent["overrides"])  # not NeMo Gym's
+    assert cfg.policy.generation.reasoning_parser == "deepseek_r1"
+    assert cfg.policy.tokenizer.chat_template_kwargs == {"enable_thinking": True}
+    noted = {key for key, _ in notes}
+    assert {"grpo.penalize_invalid_tool_call", "grpo.async_grpo.max_generation_failures"} <= noted
+
+
+def test_server_template_kwargs_that_disagree_with_the_tokenizers_are_refused():
+    with pytest.raises(ConfigError, match=r"default_chat_template_kwargs: sets \['enable_thinking'\]"):
+        load_config(GDPO, [*EDITS, "++policy.tokenizer.chat_template_kwargs.enable_thinking=false",
+                           "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs.default_chat_template_kwargs"
+                           ".enable_thinking=true"])

@@ -35,6 +35,13 @@ def test_a_plain_message_stays_role_and_content():
     assert message_to_dict(message_from_dict({"role": "user", "content": "hi"})) == {"role": "user", "content": "hi"}
 
 
+def test_an_assistants_reasoning_travels_under_its_current_name():
+    for name in ("reasoning", "reasoning_content"):
+        sent = message_from_dict({"role": "assistant", "content": "5", name: "2+3"})
+        got = message_to_dict(types_pb2.ChatMessage.FromString(sent.SerializeToString()))
+        assert got == {"role": "assistant", "content": "5", "reasoning": "2+3"}
+
+
 def test_arguments_written_as_an_object_travel_as_json_text():
     m = message_from_dict({"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 3}}}]})

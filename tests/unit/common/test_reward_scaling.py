@@ -45,7 +45,7 @@ def one_group(rewards, truncated=None):
 
     truncated = truncated or [False] * len(rewards)
     completions = [SimpleNamespace(token_ids=[5, 6], generated_mask=[True, True], generation_logprobs=[-1.0, -1.0],
-                                   reward=r, version_start=0, truncated=t, named_rewards={})
+                                   reward=r, version_start=0, truncated=t, named_rewards={}, flaws=[])
                    for r, t in zip(rewards, truncated)]
     return build_batch([SimpleNamespace(prompt_token_ids=[1, 2], completions=completions, prompt_id="p",
                                         env_name="math")], pad_id=0)

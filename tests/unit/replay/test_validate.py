@@ -50,6 +50,17 @@ def _version_end_before_start():
     return g
 
 
+def _flawed(flaws: list[int], prompt_token: bool = False):
+    """A group whose first completion carries `flaws` (its first token not generated with prompt_token)."""
+    def build():
+        g = make_group("g")
+        c = g.completions[0]
+        c.generated_mask[0] = not prompt_token
+        c.flaws[:] = flaws
+        return g
+    return build
+
+
 @pytest.mark.parametrize("build, reason", [
     (_without_id, "empty group_id"),
     (_without_completions, "no completions"),
@@ -57,10 +68,18 @@ def _version_end_before_start():
     (_short_logprobs, "lengths differ"),
     (_wrong_version_start, "not the oldest"),
     (_version_end_before_start, "version_end"),
+    (_flawed([1]), "flaws must be empty, or"),  # shorter than the tokens
+    (_flawed([1, 0, 0, 0], prompt_token=True), "set only on generated tokens"),
+    (_flawed([4, 0, 0, 0]), "TurnFlaw bits"),
 ])
 def test_inconsistent_group_is_malformed_with_reason(build, reason):
     with pytest.raises(Malformed, match=reason):
         decode_group(build().SerializeToString())
+
+
+def test_flaws_on_generated_tokens_decode():
+    group = _flawed([0, 1, 3, 2], prompt_token=True)()
+    assert decode_group(group.SerializeToString()).completions[0].flaws == [0, 1, 3, 2]
 
 
 def test_garbage_bytes_are_malformed():

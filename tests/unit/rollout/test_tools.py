@@ -51,11 +51,11 @@ def test_an_unknown_parser_is_refused_with_vllms_names(tok):
 
 def test_a_tool_parser_is_refused_at_config_time_without_vllm(monkeypatch):
     cfg = load_config(None, ["policy.generation.tool_parser=hermes"])
-    cfg.policy.generation.check_tool_parser()  # installed here: accepted
+    cfg.policy.generation.check_parsers()  # installed here: accepted
     monkeypatch.setitem(sys.modules, "vllm", None)  # what importlib reports for a package that is not there
     with pytest.raises(ConfigError, match="vllm package is not installed"):
-        cfg.policy.generation.check_tool_parser()
-    load_config(None).policy.generation.check_tool_parser()  # no tool_parser: nothing to refuse
+        cfg.policy.generation.check_parsers()
+    load_config(None).policy.generation.check_parsers()  # no tool_parser: nothing to refuse
 
 
 def test_the_tiny_template_renders_tools_calls_and_results(tok):

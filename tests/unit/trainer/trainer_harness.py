@@ -28,7 +28,7 @@ def groups(n_groups: int = 4, size: int = 4, seed: int = 0) -> list[SimpleNamesp
             completions.append(SimpleNamespace(
                 token_ids=torch.randint(4, 40, (n,), generator=g).tolist(), generated_mask=[True] * n,
                 generation_logprobs=(-torch.rand(n, generator=g) * 3).tolist(), version_start=0,
-                reward=float(torch.rand(1, generator=g) > 0.5), truncated=False, named_rewards={}))
+                reward=float(torch.rand(1, generator=g) > 0.5), truncated=False, named_rewards={}, flaws=[]))
         out.append(SimpleNamespace(prompt_id=f"p{i}", env_name="toy", prompt_token_ids=prompt,
                                    completions=completions))
     return out

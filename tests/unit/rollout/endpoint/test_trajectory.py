@@ -9,9 +9,9 @@ import pytest
 from services.rollout.endpoint.trajectory import Call, Choice, Sample, TrajectoryBuilder, group_rows
 
 
-def choice(tokens: list[int], version: int = 0, truncated: bool = False) -> Choice:
+def choice(tokens: list[int], version: int = 0, truncated: bool = False, flaws: int = 0) -> Choice:
     return Choice(token_ids=tokens, logprobs=[-0.5 - t / 100 for t in tokens],
-                  versions=[version] * len(tokens), truncated=truncated)
+                  versions=[version] * len(tokens), truncated=truncated, flaws=flaws)
 
 
 def reference(calls: list[Call]) -> tuple[list[Sample], int]:
@@ -42,13 +42,14 @@ def reference(calls: list[Call]) -> tuple[list[Sample], int]:
     for chain in chains:
         tokens = seq(*chain[-1])
         s = Sample(token_ids=tokens, generated_mask=[False] * len(tokens), logprobs=[0.0] * len(tokens),
-                   versions=[-1] * len(tokens), calls=len(chain))
+                   versions=[-1] * len(tokens), flaws=[0] * len(tokens), calls=len(chain))
         for k, j in chain:
             start, ch = len(calls[k].prompt_ids), calls[k].choices[j]
             for i, t in enumerate(ch.token_ids):
                 s.generated_mask[start + i] = True
                 s.logprobs[start + i] = ch.logprobs[i]
                 s.versions[start + i] = ch.versions[i]
+                s.flaws[start + i] = ch.flaws
             s.truncated |= ch.truncated
         samples.append(s)
     return samples, mismatches
@@ -70,7 +71,8 @@ def random_calls(rng: random.Random, n: int) -> list[Call]:
             prompt = []
         prompt += [rng.randrange(4) for _ in range(rng.randrange(0, 4))] or [1]
         choices = [choice([rng.randrange(4) for _ in range(rng.randrange(0, 4))], version=rng.randrange(3),
-                          truncated=rng.random() < 0.2) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+                          truncated=rng.random() < 0.2, flaws=rng.choice([0, 0, 1, 2, 3]))
+                   for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         calls.append(Call(prompt_ids=prompt, choices=choices))
         states += [prompt + c.token_ids for c in choices]
     return calls
@@ -150,3 +152,14 @@ def test_group_rows_rebuild_every_sample(seed):
     for sample, row in zip(b.trajectory.samples, rows, strict=True):
         assert prompt + row["token_ids"] == sample.token_ids
         assert [False] * len(prompt) + row["generated_mask"] == sample.generated_mask
+        assert [0] * len(prompt) + (row["flaws"] or [0] * len(row["token_ids"])) == sample.flaws
+
+
+def test_a_flawed_replys_tokens_carry_its_flaws_and_rows_without_one_carry_none():
+    b = TrajectoryBuilder()
+    b.add(Call(prompt_ids=[1, 5], choices=[choice([7, 2], flaws=1), choice([3])]))
+    b.add(Call(prompt_ids=[1, 5, 7, 2, 9], choices=[choice([8], flaws=2)]))
+    flawed, sound = b.trajectory.samples
+    assert flawed.flaws == [0, 0, 1, 1, 0, 2]
+    _, rows = group_rows([flawed, sound])
+    assert [r["flaws"] for r in rows] == [[1, 1, 0, 2], []]  # empty, as the proto's field, when all are 0

@@ -1,11 +1,21 @@
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TurnFlaw(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_FLAW_UNSPECIFIED: _ClassVar[TurnFlaw]
+    TURN_FLAW_INVALID_TOOL_CALL: _ClassVar[TurnFlaw]
+    TURN_FLAW_MALFORMED_THINKING: _ClassVar[TurnFlaw]
+TURN_FLAW_UNSPECIFIED: TurnFlaw
+TURN_FLAW_INVALID_TOOL_CALL: TurnFlaw
+TURN_FLAW_MALFORMED_THINKING: TurnFlaw
 
 class DatasetRow(_message.Message):
     __slots__ = ("messages", "metadata", "tools")
@@ -18,18 +28,20 @@ class DatasetRow(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "type", "function")
@@ -112,7 +124,7 @@ class PromptGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., env_name: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., num_generations: _Optional[int] = ..., target_step: _Optional[int] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., leased_at_unix_ns: _Optional[int] = ..., reward_scale: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages", "teacher", "metrics")
+    __slots__ = ("token_ids", "generated_mask", "generation_logprobs", "version_start", "version_end", "reward", "named_rewards", "text", "truncated", "turns", "answer", "messages", "teacher", "metrics", "flaws")
     class NamedRewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +153,7 @@ class Completion(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    FLAWS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_mask: _containers.RepeatedScalarFieldContainer[bool]
     generation_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -155,7 +168,8 @@ class Completion(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     teacher: TeacherTopK
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherTopK, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    flaws: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., generated_mask: _Optional[_Iterable[bool]] = ..., generation_logprobs: _Optional[_Iterable[float]] = ..., version_start: _Optional[int] = ..., version_end: _Optional[int] = ..., reward: _Optional[float] = ..., named_rewards: _Optional[_Mapping[str, float]] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ..., turns: _Optional[int] = ..., answer: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., teacher: _Optional[_Union[TeacherTopK, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., flaws: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TeacherTopK(_message.Message):
     __slots__ = ("k", "logits", "token_ids")
