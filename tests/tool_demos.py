@@ -61,6 +61,22 @@ def _ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
+THINK, END_THINK = "<think>", "</think>"
+"""A thinking model's tags: Qwen3's and DeepSeek-R1's, tokens of their vocabularies (not special)."""
+
+
+def thinking_model(out: Path, steps: int = 120) -> Path:
+    """The tiny model, its tokenizer given the thinking tags, taught to answer "add a b" as `<think>a+b</think>`
+    and the sum: a thinking model for vLLM's deepseek_r1 reasoning parser."""
+    def demo(tok, rng: random.Random) -> tuple[list[int], list[bool]]:
+        a, b = rng.randrange(5), rng.randrange(5)
+        prompt = prompt_token_ids(tok, [{"role": "user", "content": f"add {a} {b}"}], None)
+        reply = _ids(tok, f"{THINK}{a}+{b}{END_THINK}{a + b}") + [tok.eos_token_id]
+        return prompt + reply, [False] * len(prompt) + [True] * len(reply)
+
+    return supervise(out, demo, steps=steps, threads=1, added_tokens=[THINK, END_THINK])
+
+
 def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tuple[int, int]] | None = None,
                seed: int = 0, batch: int = 16, threads: int | None = None) -> Path:
     """Train the tiny model `steps` AdamW steps on tool_add demonstrations of `pairs` (default: every pair of

@@ -5,7 +5,8 @@ ng_run starts NeMo RL's `gdpo_example_tool_call_multireward.yaml` servers (`vllm
 reward, so the tiny model's answers score above zero). The endpoint serves the tiny model through the hf
 engine, as in tests/integration/rollout/test_endpoint.py. Oracles: the endpoint's own recording of each
 episode, and the reward NeMo Gym's resources server gives when this test calls its /verify with the recorded
-answer.
+answer. A thinking model's reply with its reasoning apart (the endpoint's reasoning parser) is taken by NeMo Gym's
+model server (`uses_reasoning_parser: true`), whose /verify scores the answer after it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from engine_harness import Trainer, policy  # noqa: E402
+from tool_demos import END_THINK, THINK, thinking_model  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
+from services.common.modeling import load_policy  # noqa: E402
 from services.environment.agents import AgentEpisode, AgentError, AgentResult  # noqa: E402
 from services.common.nemo_rl_gym import nemo_rl_agent_spec  # noqa: E402
 from services.environment.agents.nemo_gym import NemoGymAgent, to_result  # noqa: E402
@@ -59,6 +62,26 @@ async def endpoint():
     trainer = Trainer("gym-test")
     await trainer.push(engine, 0, policy(cfg, seed=cfg.run.seed))
     server = EndpointServer(cfg, engine, "gym-test")
+    await server.start()
+    yield server, engine
+    await server.stop()
+    trainer.close()
+    await engine.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def thinking_endpoint(tmp_path_factory):
+    """The endpoint with vLLM's deepseek_r1 reasoning parser, serving a tiny model taught to think first."""
+    model_dir = thinking_model(tmp_path_factory.mktemp("thinking_model"))
+    cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
+                             "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=16",
+                             "policy.generation.reasoning_parser=deepseek_r1"])
+    engine = make_engine(cfg, "gym-thinking")
+    await engine.start()
+    engine.tokenizer.chat_template = TEMPLATE
+    trainer = Trainer("gym-thinking")
+    await trainer.push(engine, 0, load_policy(cfg.policy, cfg.run.seed)[0])
+    server = EndpointServer(cfg, engine, "gym-thinking")
     await server.start()
     yield server, engine
     await server.stop()
@@ -149,6 +172,23 @@ async def test_concurrent_episodes_are_recorded_and_scored_as_nemo_gyms_verify_s
         reference = await reference_verify(gym, "lc_equivalence_rule", task["nemo_gym"], answer)
         assert result.reward == pytest.approx(reference["reward"]) and reference["reward"] > 0
         assert result.metrics == {"equivalence_score": pytest.approx(reference["equivalence_score"])}
+
+
+async def test_a_thinking_models_reasoning_reaches_nemo_gym_apart_from_the_answer_it_scores(thinking_endpoint, gym):
+    """NeMo Gym's model server takes a reply whose reasoning comes apart (vLLM's `reasoning` field) and /verify
+    scores the answer after it, as the recorded text splits at the tags. (It would split tags left in the content
+    too: what the parser changes for training is which text a turn's flaws are judged on, and that a reply sent
+    back with its reasoning continues the recorded tokens; tests/integration/rollout/test_endpoint_reasoning.py.)"""
+    server, engine = thinking_endpoint
+    task = equivalence_task("add")
+    result, trajectory = await run_episode(server, gym, task)
+    _, text = recorded_answer(engine, trajectory)
+    reasoning, closed, answer = text.removeprefix(THINK).partition(END_THINK)
+    assert reasoning and text.startswith(THINK), text  # it thought
+    scored = await reference_verify(gym, "lc_equivalence_rule", task["nemo_gym"], answer if closed else "")
+    whole = await reference_verify(gym, "lc_equivalence_rule", task["nemo_gym"], text)
+    assert scored["reward"] != whole["reward"]  # the two readings score apart, so the check below tells them apart
+    assert result.reward == pytest.approx(scored["reward"])
 
 
 async def test_nemo_rl_multireward_config_gives_verify_reward_and_components_as_metrics(endpoint, gym):

@@ -6,22 +6,19 @@ recorded tokens, as NeMo Gym's model server sends it back."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import pytest_asyncio
 from engine_harness import Trainer
 from openai import AsyncOpenAI
-from tool_demos import supervise
+from tool_demos import END_THINK as END
+from tool_demos import THINK, thinking_model
 
 from services.common.config import load_config
 from services.common.modeling import load_policy
-from services.rollout.episodes import prompt_token_ids
 from services.rollout.endpoint.server import EndpointServer
 from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-THINK, END = "<think>", "</think>"
 # The tiny template with assistant turns closed by EOS, as a thinking model's template closes them (<|im_end|>),
 # which lets the endpoint splice a reply's recorded tokens back in (render.py); prompts render as the tiny one's.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
@@ -29,17 +26,9 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['cont
             "{% if add_generation_prompt %}a:{% endif %}")
 
 
-def demo(tok, rng: random.Random) -> tuple[list[int], list[bool]]:
-    a, b = rng.randrange(5), rng.randrange(5)
-    prompt = prompt_token_ids(tok, [{"role": "user", "content": f"add {a} {b}"}], None)
-    reply = tok(f"{THINK}{a}+{b}{END}{a + b}", add_special_tokens=False).input_ids + [tok.eos_token_id]
-    return prompt + reply, [False] * len(prompt) + [True] * len(reply)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory):
-    model_dir = supervise(tmp_path_factory.mktemp("thinking_model"), demo, steps=120, threads=1,
-                          added_tokens=[THINK, END])
+    model_dir = thinking_model(tmp_path_factory.mktemp("thinking_model"))
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
                              "policy.max_total_sequence_length=128", "policy.generation.max_new_tokens=16",
                              "policy.generation.reasoning_parser=deepseek_r1"])
