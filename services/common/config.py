@@ -210,7 +210,7 @@ class GRPOConfig(Section):
     seq_logprob_error_threshold: float | None = Field(None, ge=1)
     """A sample whose engine and trainer logprobs disagree by more than this (token_mult_prob_error over its own
     tokens, mean exp(|gen - prev|) >= 1) gets zero loss weight; the trainer then computes prev logprobs before
-    the step. Null: no masking. FSDP2, GRPO advantages."""
+    the step. Null: no masking. GRPO advantages."""
 
     @property
     def validates(self) -> bool:
@@ -1154,12 +1154,6 @@ class FlywheelConfig(Section):
                 raise ValueError(f"environment {spec.name!r}: timeout_s {spec.timeout_s:g} must be below "
                                  f"rollout.step_timeout_s ({limit:g}), the deadline of rollout's Step calls, which "
                                  f"would cut it first")
-        return self
-
-    @model_validator(mode="after")
-    def _sequence_masking_is_fsdp2s(self) -> FlywheelConfig:
-        if self.grpo.seq_logprob_error_threshold is not None and self.policy.megatron_cfg.enabled:
-            raise ValueError("grpo.seq_logprob_error_threshold is the FSDP2 backend's; Megatron-Core does not take it")
         return self
 
     @model_validator(mode="after")

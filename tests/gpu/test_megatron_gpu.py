@@ -3,8 +3,9 @@
 For each: the GPTModel's logits against the Hugging Face model it was converted from (same random weights,
 float32, so the conversion is what is compared), one training step, `full_state_dict` against the rollout's
 manifest, and a checkpoint: saved into a fresh step directory as the trainer does (checkpoint.py), then
-loaded back after a second step has moved the weights. megatron-core cannot run a forward pass on CPU, so
-nothing here runs on the CPU dry run.
+loaded back after a second step has moved the weights. Under bfloat16: the chunked logprobs, and a step. Sequence
+masking (grpo.seq_logprob_error_threshold) against the masks the HF model's logprobs give. megatron-core cannot
+run a forward pass on CPU, so nothing here runs on the CPU dry run.
 """
 
 from __future__ import annotations
@@ -149,5 +150,37 @@ def test_megatron_bf16_step_runs_and_stays_near_hf_logits(figures):
         assert values <= 1e-5 and grads <= 1e-3, f"chunked vocab-parallel logprobs differ: {values}, {grads}"
         figures["step1"] = step(backend, cfg)
         check_manifest(backend, cfg, tied=True)
+    finally:
+        teardown_megatron()
+
+
+def test_megatron_masks_the_samples_the_hf_models_logprobs_say_the_engine_got_wrong(figures):
+    """grpo.seq_logprob_error_threshold under Megatron-Core (its forward-only pass before the step): the samples it
+    masks are those whose error, from the logprobs of the Hugging Face model it was converted from, is above a
+    threshold set in the widest gap between the errors (so numerics cannot move a sample across it)."""
+    import torch
+    from trainer_harness import step_batch
+
+    from services.common.modeling import load_policy, token_logprobs
+
+    need_megatron()
+    cfg = megatron_config(tied=True)
+    batch, advantages = step_batch(cfg)
+    hf, _ = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed)
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    prev = token_logprobs(logits, batch.targets, cfg.policy.generation.temperature)
+    mask = batch.token_mask * batch.sample_mask[:, None]
+    errors = ((torch.exp((batch.generation_logprobs - prev).abs() * mask) * mask).sum(-1) / mask.sum(-1)).sort().values
+    gap = int((errors[1:] - errors[:-1]).argmax())
+    threshold = float((errors[gap] + errors[gap + 1]) / 2)
+    backend = build(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(
+        update={"seq_logprob_error_threshold": threshold})}))
+    try:
+        backend.model.train()
+        metrics = backend.train_step(batch, advantages)
+        figures.update(threshold=threshold, masked=metrics["num_masked_seqs_by_logprob_error"])
+        assert metrics["num_masked_seqs_by_logprob_error"] == len(errors) - gap - 1, metrics
+        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0, metrics
     finally:
         teardown_megatron()

@@ -1,13 +1,13 @@
 """The Megatron-Core backend (policy.megatron_cfg.enabled): tensor and pipeline parallel GPTModel.
 
-Verified on CPU only: megatron-core 0.16.1 needs CUDA for a forward pass and no GPU was available
-when this was written. What runs on CPU is tested there: the weight conversion (hf_megatron.py, bit
-for bit, and in the rollout manifest's order, tied and untied), and building the model
-(megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the
-weights loaded and gathered back) and its checkpoint directory. The schedule and per-group
-weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). The
-training step, the DDP wrapper, megatron's optimizer wrappers, dist_checkpointing's save and load, and the gathers on
-NCCL have not executed; no GPU test in this tree runs them yet (docs/trainer.md).
+megatron-core 0.16.1 needs CUDA for a forward pass. What runs on CPU is tested there: the weight conversion
+(hf_megatron.py, bit for bit, and in the rollout manifest's order, tied and untied), building the model
+(megatron_model.py: layer spec, TransformerConfig, PP = 2 and TP = 2 on two gloo ranks, the weights loaded and
+gathered back), its checkpoint directory, and the chunked vocab-parallel logprobs. The schedule and per-group
+weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). On one
+H100 (docs/gpu.md) the GPU check ran TP = PP = 1: logits against the HF model, a step, the manifest, a checkpoint
+saved and loaded, float32 and bfloat16. TP or PP > 1 on GPUs, the gathers on NCCL, and the sequence masking's
+forward (grpo.seq_logprob_error_threshold) have not executed; the GPU check holds them for the next GPU run.
 
 Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
 are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
@@ -18,6 +18,7 @@ data-parallel ranks, so the loss is multiplied by both to make them sums.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
-from services.trainer.algorithms import LossInputs, clipped_pg_loss
+from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.hf_megatron import Shape
 from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available, vocab_parallel_logprobs
@@ -79,7 +80,7 @@ class MegatronBackend(TrainingBackend):
 
     # ---- training ------------------------------------------------------------------------------
 
-    def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of):
+    def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of, forward_only: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(iterator, model):
@@ -90,7 +91,7 @@ class MegatronBackend(TrainingBackend):
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
-            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)))
+            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)), forward_only=forward_only)
 
     def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
         p = self.cfg.policy
@@ -101,6 +102,7 @@ class MegatronBackend(TrainingBackend):
         dp = self.ps.get_data_parallel_world_size()
         rows = micro_batches(len(b), self.ps.get_data_parallel_rank(), dp, self.cfg.policy.train_micro_batch_size,
                              self.pp)
+        b, masking = self._mask_by_sequence_error(b, rows)
         mask = b.token_mask * b.sample_mask[:, None]
         totals = dict(global_valid_tokens=max(1.0, mask.sum().item()),
                       global_valid_seqs=max(1.0, b.sample_mask.sum().item()))
@@ -123,7 +125,38 @@ class MegatronBackend(TrainingBackend):
         metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
         for s in self.schedulers:  # once per trainer step, after it, as the FSDP2 backend and NeMo RL step it
             s.step()
-        return metrics
+        return metrics | masking
+
+    def _mask_by_sequence_error(self, b: TrainBatch, rows: list[list[int]]) -> tuple[TrainBatch, dict[str, float]]:
+        """grpo.seq_logprob_error_threshold: the batch with the samples the engine got wrong out of the loss, the same
+        on every rank, from the weights' logprobs of every row before the step (one forward-only pass), as the FSDP2
+        backend and NeMo RL mask."""
+        threshold = self.cfg.grpo.seq_logprob_error_threshold
+        if threshold is None:
+            return b, {}
+        sample_mask, metrics = mask_by_sequence_error(self._all_logprobs(b, rows), b.generation_logprobs,
+                                                      b.token_mask, b.sample_mask, b.rewards, threshold)
+        return dataclasses.replace(b, sample_mask=sample_mask), metrics
+
+    def _all_logprobs(self, b: TrainBatch, rows: list[list[int]]) -> Tensor:
+        """[B, L-1] logprobs of every row under the current weights, on every rank: this data-parallel rank's rows
+        through a forward-only schedule (the last pipeline stage has them), summed over the data-parallel group
+        (each rank fills its own rows, zeros elsewhere), then broadcast from the last stage to the others."""
+        ps = self.ps
+        out = torch.zeros(b.targets.shape, dtype=torch.float32, device="cuda")
+
+        def keep(mb_rows, logits):
+            logprobs = self._logprobs(logits, b.targets[mb_rows]).detach()
+            out[mb_rows] = logprobs
+            return logprobs.sum() * 0, {}
+
+        with torch.no_grad():
+            self._run(b, rows, keep, forward_only=True)
+        torch.distributed.all_reduce(out, group=ps.get_data_parallel_group())
+        if self.pp > 1:
+            torch.distributed.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                                        group=ps.get_pipeline_model_parallel_group())
+        return out.cpu()
 
     # ---- weights and checkpoints ---------------------------------------------------------------
 

@@ -227,15 +227,15 @@ def test_lora_settings_flywheel_cannot_honour_are_refused(overrides, message):
         load_config(None, overrides)
 
 
-def test_a_sequence_logprob_error_threshold_is_taken_for_grpo_and_refused_where_it_is_not_built():
+def test_a_sequence_logprob_error_threshold_is_taken_for_grpo_on_both_backends_and_refused_where_it_is_not_built():
     """As NeMo RL's Nemotron-3 recipes set it (2); Reinforce++/GDPO whiten over the step's samples after NeMo RL
     masks, and Flywheel's advantages come before the trainer's logprobs."""
     cfg = load_config(CONFIGS / "grpo_math_1B.yaml", [*EDITS, "grpo.seq_logprob_error_threshold=2"])
     assert cfg.grpo.seq_logprob_error_threshold == 2
     with pytest.raises(ConfigError, match="adv_estimator 'reinforce_plus_plus' is not built"):
         load_config(CONFIGS / "prorlv2.v2.yaml", [*EDITS, "grpo.seq_logprob_error_threshold=2"])
-    with pytest.raises(ConfigError, match="Megatron-Core does not take it"):
-        load_config(None, ["grpo.seq_logprob_error_threshold=2", "policy.megatron_cfg.enabled=true"])
+    megatron = load_config(CONFIGS / "grpo_math_1B_megatron.yaml", [*EDITS, "grpo.seq_logprob_error_threshold=2"])
+    assert megatron.grpo.seq_logprob_error_threshold == 2  # the Megatron backend masks too (its forward: GPU only)
 
 
 def test_an_early_stop_on_a_validation_metric_is_taken_with_nemo_rls_checks():
