@@ -42,15 +42,18 @@ def parse_tool_calls(text: str, *, parser: str | None, tokenizer, tools: list[di
     return info.content, calls
 
 
-def split_reasoning(text: str, *, parser: str | None, tokenizer) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, *, parser: str | None, tokenizer, chat_template_kwargs: dict | None = None
+                    ) -> tuple[str | None, str | None]:
     """(reasoning, the rest) of one generated text, by vLLM's reasoning parser `parser`, as its chat server splits
-    them before reading tool calls from the rest. No parser: (None, text)."""
+    them before reading tool calls from the rest. `chat_template_kwargs`: the request's, which vLLM builds its
+    parser with (some read whether thinking was on: deepseek_v3's `thinking`). No parser: (None, text)."""
     if parser is None:
         return None, text
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    return _reasoning_parser(parser, tokenizer).extract_reasoning(
-        text, ChatCompletionRequest(model="flywheel", messages=[]))
+    kwargs = json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str)
+    request = ChatCompletionRequest(model="flywheel", messages=[], chat_template_kwargs=chat_template_kwargs)
+    return _reasoning_parser(parser, tokenizer, kwargs).extract_reasoning(text, request)
 
 
 def load_reasoning_parser(name: str, tokenizer) -> None:
@@ -62,18 +65,19 @@ def load_reasoning_parser(name: str, tokenizer) -> None:
         raise ValueError(f"policy.generation.reasoning_parser {name!r} is not one of vLLM's reasoning parsers: "
                          f"{', '.join(ReasoningParserManager.list_registered())}")
     try:
-        _reasoning_parser(name, tokenizer)
+        _reasoning_parser(name, tokenizer, "{}")
     except Exception as err:  # noqa: BLE001 - vLLM's parsers fail in their own ways on a vocabulary they cannot read
         raise ValueError(f"policy.generation.reasoning_parser {name!r} cannot read this tokenizer: {err}") from None
 
 
-@functools.lru_cache(maxsize=8)
-def _reasoning_parser(name: str, tokenizer):
-    """One parser per (name, tokenizer); only the non-streaming `extract_reasoning` is called, which keeps no
-    state between calls."""
+@functools.lru_cache(maxsize=16)
+def _reasoning_parser(name: str, tokenizer, chat_template_kwargs: str):
+    """One parser per (name, tokenizer, the request's chat_template_kwargs as JSON), as vLLM builds one per request
+    with them; only the non-streaming `extract_reasoning` is called, which keeps no state between calls."""
     from vllm.reasoning import ReasoningParserManager
 
-    return ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+    kwargs = json.loads(chat_template_kwargs)
+    return ReasoningParserManager.get_reasoning_parser(name)(tokenizer, chat_template_kwargs=kwargs or None)
 
 
 def load_parser(name: str, tokenizer) -> None:

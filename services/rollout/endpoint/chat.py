@@ -46,7 +46,7 @@ class Chat:
         history = canonical(messages, tools)
         prompt = await off_loop_if_long(len(history), self.prompt_ids, episode, messages, tools, kwargs)
         result = await self.generator.generate(episode, "chat", prompt, req, req.budget(), req.n)
-        replies = [self.parse(out.text, tools, req.tool_choice) for out in result.outs]
+        replies = [self.parse(out.text, tools, req.tool_choice, kwargs) for out in result.outs]
         turns = [Turn(history=history, reply=reply_key(*reply), token_ids=prompt + out.token_ids)
                  for out, reply in zip(result.outs, replies)]
         patterns, tags = self.flaw_patterns
@@ -65,10 +65,11 @@ class Chat:
                     return ids
         return render_ids(self.tokenizer, messages, tools, kwargs, generation=True)
 
-    def parse(self, text: str, tools, tool_choice) -> tuple[str | None, str | None, list[dict]]:
-        """(content, reasoning, tool calls) of one generated text: the reasoning parser first, then the tool parser
-        on what it left, as vLLM's chat server reads them."""
-        reasoning, content = split_reasoning(text, parser=self.reasoning_parser, tokenizer=self.tokenizer)
+    def parse(self, text: str, tools, tool_choice, kwargs: dict) -> tuple[str | None, str | None, list[dict]]:
+        """(content, reasoning, tool calls) of one generated text: the reasoning parser first (given the request's
+        chat_template_kwargs), then the tool parser on what it left, as vLLM's chat server reads them."""
+        reasoning, content = split_reasoning(text, parser=self.reasoning_parser, tokenizer=self.tokenizer,
+                                             chat_template_kwargs=kwargs or None)
         if content is None or not tools or tool_choice == "none":
             return content, reasoning, []
         content, calls = parse_tool_calls(content, parser=self.tool_parser, tokenizer=self.tokenizer, tools=tools)

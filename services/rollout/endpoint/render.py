@@ -50,7 +50,7 @@ def template_messages(messages: list[Message]) -> list[dict]:
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                 for c in m.tool_calls]
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
-        if m.role == "assistant" and reasoning is not None:  # both names, as vLLM gives templates
+        if m.role == "assistant" and reasoning:  # both names, as vLLM gives templates; "" as none, as content
             d["reasoning"] = d["reasoning_content"] = reasoning
         out.append(d)
     return out

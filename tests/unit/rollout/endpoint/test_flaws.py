@@ -73,3 +73,11 @@ def test_a_parser_that_is_not_vllms_or_cannot_read_the_tokenizer_is_refused_at_s
         load_reasoning_parser("no_such_parser", thinking_tokenizer)
     with pytest.raises(ValueError, match="cannot read this tokenizer"):
         load_reasoning_parser("deepseek_r1", build_tiny_tokenizer())  # no thinking tags in its vocabulary
+
+
+def test_a_parser_that_reads_the_requests_template_kwargs_gets_them(thinking_tokenizer):
+    """vLLM builds deepseek_v3's parser per request: it splits only when the request turned thinking on."""
+    text = "<think>x</think>y"
+    assert split_reasoning(text, parser="deepseek_v3", tokenizer=thinking_tokenizer) == (None, text)
+    assert split_reasoning(text, parser="deepseek_v3", tokenizer=thinking_tokenizer,
+                           chat_template_kwargs={"thinking": True}) == ("x", "y")
