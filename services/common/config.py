@@ -203,8 +203,8 @@ class GRPOConfig(Section):
     overlong_filtering: bool = False
     """Truncated samples get zero loss weight."""
     invalid_tool_call_advantage: float | None = None
-    """The advantage of every token of a turn the endpoint flagged as an invalid tool call (Completion.flaws), in
-    place of its sample's (e.g. -5.0, NeMo RL's); null: flags change nothing."""
+    """The advantage of every token of a turn rollout flagged as an invalid tool call (Completion.flaws), in place
+    of its sample's (e.g. -5.0, NeMo RL's); null: flags change nothing."""
     malformed_thinking_advantage: float | None = None
     """The same for a turn with malformed thinking tags; an invalid tool call's value wins where both apply."""
     seq_logprob_error_threshold: float | None = Field(None, ge=1)
@@ -536,13 +536,6 @@ class EndpointConfig(Section):
     """0: a free port (each worker gets its own; open_episode hands out the URL)."""
     max_calls: int = Field(1024, gt=0)
     """Calls one episode may make at most."""
-    invalid_tool_call_patterns: list[str] = Field(["<tool_call>", "</tool_call>", "<function_call>",
-                                                   "</function_call>"], min_length=1)
-    """Text that marks a reply's tool call the tool parser could not read (a flawed turn, see
-    grpo.invalid_tool_call_advantage); NeMo RL's defaults."""
-    thinking_tags: list[str] = Field(["<think>", "</think>"], min_length=1)
-    """Tags whose presence in a reply's answer, or repetition in its reasoning, marks malformed thinking (see
-    grpo.malformed_thinking_advantage); NeMo RL's defaults."""
 
 
 class GenerationConfig(Section):
@@ -565,6 +558,13 @@ class GenerationConfig(Section):
     """vLLM's tool-call parser for the model family ("hermes", "llama3_json", "qwen3_coder", "mistral", ...), used
     with either backend to read tool calls from generated text; null: text is never read as tool calls. Needs the
     vllm package installed, even with the hf backend; the name is checked when rollout starts."""
+    invalid_tool_call_patterns: list[str] = Field(["<tool_call>", "</tool_call>", "<function_call>",
+                                                   "</function_call>"], min_length=1)
+    """Text that marks a turn's tool call the tool parser could not read (a flawed turn, see
+    grpo.invalid_tool_call_advantage); NeMo RL's defaults."""
+    thinking_tags: list[str] = Field(["<think>", "</think>"], min_length=1)
+    """Tags whose presence in a turn's answer, or repetition in its reasoning, marks malformed thinking (see
+    grpo.malformed_thinking_advantage); NeMo RL's defaults."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser for the model family ("deepseek_r1", "qwen3", ...): the endpoint answers a chat call
     with the reasoning apart (the message's `reasoning`) and reads tool calls from the rest, as vLLM's server with
@@ -1127,16 +1127,6 @@ class FlywheelConfig(Section):
     def _agents_get_the_endpoint(self) -> FlywheelConfig:
         if any(spec.kind == AGENT for spec in self.environments):
             self.policy.generation.endpoint.enabled = True  # agents call the model through it
-        return self
-
-    @model_validator(mode="after")
-    def _flawed_turns_come_from_agents(self) -> FlywheelConfig:
-        g = self.grpo
-        if ((g.invalid_tool_call_advantage is not None or g.malformed_thinking_advantage is not None)
-                and not any(spec.kind == AGENT for spec in self.environments)):
-            raise ValueError("grpo.invalid_tool_call_advantage / malformed_thinking_advantage act on the turns the "
-                             "endpoint flags, and only agent environments call it: with none they would change "
-                             "nothing (NeMo RL, too, refuses them off its NeMo Gym path)")
         return self
 
     @model_validator(mode="after")

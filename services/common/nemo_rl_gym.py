@@ -11,7 +11,7 @@ NeMo Gym's source tree; Flywheel's NeMo Gym is the `nemo-gym` package in its own
 hold the same tree (`resources_servers/...`). So such a path that does not exist from the working directory
 is read from there. `policy.generation.vllm_cfg.expose_http_server` is a move to
 `policy.generation.endpoint.enabled` (nemo_rl.py); env.nemo_gym's `invalid_tool_call_patterns` and `thinking_tags`,
-which NeMo RL reads itself, are the endpoint's (it flags the turns it answers).
+which NeMo RL reads itself, are policy.generation's (rollout flags the turns).
 """
 
 from __future__ import annotations
@@ -91,19 +91,17 @@ def prepare(tree: dict, problems: list[Problem], notes: list[Problem]) -> None:
 
 
 FLAW_MARKERS = ("invalid_tool_call_patterns", "thinking_tags")
-"""env.nemo_gym keys NeMo RL reads itself, to flag a turn's flaws, which are the endpoint's here."""
+"""env.nemo_gym keys NeMo RL reads itself, to flag a turn's flaws, which rollout does here."""
 
 
 def _flaw_markers(tree: dict, gym: dict, notes: list[Problem]) -> None:
-    """env.nemo_gym's flaw markers -> policy.generation.endpoint's: the endpoint flags turns (NeMo RL's bridge
-    flags NeMo Gym's output items); null or empty, NeMo RL's defaults, which are the endpoint's."""
+    """env.nemo_gym's flaw markers -> policy.generation's: rollout flags turns (NeMo RL's bridge flags NeMo Gym's
+    output items); null or empty, NeMo RL's defaults, which are policy.generation's."""
     for key in FLAW_MARKERS:
         value = gym.pop(key, None)
         if value:
-            endpoint = tree.setdefault("policy", {}).setdefault("generation", {}).setdefault("endpoint", {})
-            endpoint[key] = value
-            notes.append((f"env.nemo_gym.{key}", f"read as policy.generation.endpoint.{key}: the endpoint flags "
-                                                 f"each turn it answers"))
+            tree.setdefault("policy", {}).setdefault("generation", {})[key] = value
+            notes.append((f"env.nemo_gym.{key}", f"read as policy.generation.{key}: rollout flags each turn"))
 
 
 def _validate_on(data: dict, name: str, sets: list[tuple[str, dict]], problems: list[Problem],

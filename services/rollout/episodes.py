@@ -7,7 +7,9 @@ the episode ended.
 
 Tools: a prompt group may offer tools (OpenAI definitions), which the chat template renders into the prompt.
 With policy.generation.tool_parser set, each assistant turn of such a group is read for tool calls by vLLM's
-parser (tools.py), and the environment's Step sees the assistant message with its `tool_calls`. An environment
+parser (tools.py), and the environment's Step sees the assistant message with its `tool_calls`; with
+reasoning_parser, its reasoning apart from its content. Each turn is judged for flaws (flaws.py), which its tokens
+carry, as the endpoint's turns do. An environment
 that answers with messages (`observations`: role "tool", tool_call_id) has them appended as the chat template
 writes them after the turn (loss mask 0); the generated tokens of earlier turns are never re-tokenized.
 
@@ -28,12 +30,15 @@ from google.protobuf import struct_pb2
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
+from services.common.config import GenerationConfig
 from services.common.logs import RateLimitedLog
 from services.common.messages import message_from_dict, message_to_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.rollout.engines import Engine, Generated, Sampling
+from services.rollout.flaws import turn_flaws
 from services.rollout.steps import StepBatcher
-from services.rollout.tools import TemplateDrift, load_parser, observation_text, parse_tool_calls, render
+from services.rollout.tools import (TemplateDrift, load_parser, load_reasoning_parser, observation_text, read_turn,
+                                    render)
 
 tracer = trace.get_tracer("flywheel.rollout")
 log = logging.getLogger("flywheel.rollout")
@@ -59,6 +64,7 @@ class EpisodeState:
     token_ids: list[int] = field(default_factory=list)
     generated_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    flaws: list[int] = field(default_factory=list)
     reward: float = 0.0
     named_rewards: dict[str, float] = field(default_factory=dict)
     text: str = ""
@@ -69,10 +75,12 @@ class EpisodeState:
     version_start: int = -1
     version_end: int = -1
 
-    def append(self, tokens: list[int], logprobs: list[float] | None) -> None:
+    def append(self, tokens: list[int], logprobs: list[float] | None, flaws: int = 0) -> None:
+        """Generated tokens (with their logprobs, and the turn's TurnFlaw bits), or context (logprobs None)."""
         self.token_ids += tokens
         self.generated_mask += [logprobs is not None] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.flaws += [flaws] * len(tokens)
 
 
 def prompt_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -84,15 +92,16 @@ class EpisodeRunner:
     """Runs one PromptGroup to a TrajectoryGroup with an engine and an environment stub."""
 
     def __init__(self, engine: Engine, env: environment_pb2_grpc.EnvironmentServiceStub, *,
-                 default_sampling, max_seq_len: int, step_timeout_s: float, max_prompt_len: int | None = None,
-                 tool_parser: str | None = None) -> None:
+                 generation: GenerationConfig, max_seq_len: int, step_timeout_s: float,
+                 max_prompt_len: int | None = None) -> None:
         self.engine = engine
-        self.tool_parser = tool_parser
-        """policy.generation.tool_parser: vLLM's parser that reads the calls of a group that offers tools."""
-        if tool_parser is not None:
-            load_parser(tool_parser, engine.tokenizer)
+        self.generation = generation
+        """policy.generation: the sampling defaults, and the parsers and flaw markers that read each turn."""
+        if generation.tool_parser is not None:
+            load_parser(generation.tool_parser, engine.tokenizer)
+        if generation.reasoning_parser is not None:
+            load_reasoning_parser(generation.reasoning_parser, engine.tokenizer)
         self.steps = StepBatcher(env, step_timeout_s)
-        self.default_sampling = default_sampling
         self.max_seq_len = max_seq_len
         self.max_prompt_len = min(max_prompt_len or max_seq_len, max_seq_len)
         """data.max_input_seq_length: a prompt of this many tokens or more is kept out of the loss."""
@@ -112,7 +121,7 @@ class EpisodeRunner:
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and the worker's heartbeats, work queue
         # and rpcs must not wait for it.
         prompt_ids = await asyncio.to_thread(prompt_token_ids, tok, prompt, tools)
-        sampling = Sampling.resolve(self.default_sampling, group.sampling)
+        sampling = Sampling.resolve(self.generation, group.sampling)
         episodes = [EpisodeState(messages=list(prompt), metadata=group.metadata,
                                  stop_strings=list(sampling.stop_strings)) for _ in range(group.num_generations)]
         if len(prompt_ids) >= self.max_prompt_len:
@@ -149,7 +158,7 @@ class EpisodeRunner:
             token_ids=e.token_ids, generated_mask=e.generated_mask, generation_logprobs=e.logprobs,
             version_start=e.version_start, version_end=e.version_end, reward=e.reward * scale,
             named_rewards={k: v * scale for k, v in e.named_rewards.items()}, text=e.text,
-            truncated=e.truncated, turns=e.turns, answer=e.answer,
+            truncated=e.truncated, turns=e.turns, answer=e.answer, flaws=e.flaws if any(e.flaws) else [],
             messages=[message_from_dict(m) for m in e.messages[len(prompt):]] if with_messages else [])
             for e in episodes]
         return types_pb2.TrajectoryGroup(
@@ -181,21 +190,27 @@ class EpisodeRunner:
                 if e.version_start < 0:
                     e.version_start = start
                 e.version_end = max(e.version_end, end)
-                e.append(out.token_ids, out.logprobs)
-                e.messages.append(self._assistant(out.text, tools))
+                message, flaws = self._assistant(out.text, tools)
+                e.append(out.token_ids, out.logprobs, flaws)
+                e.messages.append(message)
                 e.text += out.text
                 e.truncated |= out.truncated
                 e.turns += 1
 
-    def _assistant(self, text: str, tools: list[dict] | None) -> dict:
-        """The assistant message of a generated turn: with the calls the tool parser reads, when tools are offered."""
-        if self.tool_parser is None or not tools:
-            return {"role": "assistant", "content": text}
-        content, calls = parse_tool_calls(text, parser=self.tool_parser, tokenizer=self.engine.tokenizer, tools=tools)
-        if not calls:
-            return {"role": "assistant", "content": text}
-        TOOL_CALLS.inc(len(calls))
-        return {"role": "assistant", "content": content or "", "tool_calls": calls}
+    def _assistant(self, text: str, tools: list[dict] | None) -> tuple[dict, int]:
+        """The assistant message of a generated turn (its reasoning apart with a reasoning parser, the calls the tool
+        parser reads when tools are offered), and the turn's TurnFlaw bits (flaws.py)."""
+        g = self.generation
+        content, reasoning, calls = read_turn(text, tokenizer=self.engine.tokenizer, tools=tools,
+                                              tool_parser=g.tool_parser, reasoning_parser=g.reasoning_parser)
+        flaws = turn_flaws(content, reasoning, calls, patterns=g.invalid_tool_call_patterns, tags=g.thinking_tags)
+        message = {"role": "assistant", "content": content or ""}
+        if reasoning:
+            message["reasoning"] = reasoning
+        if calls:
+            TOOL_CALLS.inc(len(calls))
+            message["tool_calls"] = calls
+        return message, flaws
 
     async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int,
                                 tools: list[dict] | None) -> None:

@@ -197,11 +197,10 @@ class RolloutWorker:
         self.env = environment_pb2_grpc.EnvironmentServiceStub(env_channel)
         self.agents = AgentGroups(environment_pb2_grpc.AgentServiceStub(env_channel), model=cfg.policy.model_name,
                                   step_timeout_s=cfg.rollout.step_timeout_s)
-        self.runner = EpisodeRunner(engine, self.env, default_sampling=cfg.policy.generation,
+        self.runner = EpisodeRunner(engine, self.env, generation=cfg.policy.generation,
                                     max_seq_len=cfg.policy.max_total_sequence_length,
                                     max_prompt_len=cfg.data.max_input_seq_length,
-                                    step_timeout_s=cfg.rollout.step_timeout_s,
-                                    tool_parser=cfg.policy.generation.tool_parser)
+                                    step_timeout_s=cfg.rollout.step_timeout_s)
         self._announcements: asyncio.Queue = asyncio.Queue()
         self.endpoint = None
         """The worker's EndpointServer when policy.generation.endpoint.enabled (agents call it)."""

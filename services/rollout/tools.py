@@ -1,7 +1,8 @@
 """Tool calls in generated text, and chat templates rendered with tools.
 
-`split_reasoning` takes a thinking model's reasoning off its text (`policy.generation.reasoning_parser`, vLLM's
-reasoning parsers), and `parse_tool_calls` reads the calls a model wrote, with the parser of its family that vLLM ships
+`read_turn` reads a generated turn as vLLM's chat server reads a reply: `split_reasoning` takes a thinking model's
+reasoning off (`policy.generation.reasoning_parser`, vLLM's reasoning parsers), then `parse_tool_calls` reads the
+calls a model wrote from the rest, with the parser of its family that vLLM ships
 (`policy.generation.tool_parser`: "hermes", "llama3_json", "qwen3_coder", "mistral", ... any name in vLLM's
 `ToolParserManager`). The parsers are pure Python over the tokenizer, so the hf backend uses them too; only the
 vllm package must be installed (the config refuses a tool_parser without it). Both the episode loop and the
@@ -40,6 +41,19 @@ def parse_tool_calls(text: str, *, parser: str | None, tokenizer, tools: list[di
     calls = [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in info.tool_calls]
     return info.content, calls
+
+
+def read_turn(text: str, *, tokenizer, tools: list[dict] | None, tool_parser: str | None, reasoning_parser: str | None,
+              chat_template_kwargs: dict | None = None) -> tuple[str | None, str | None, list[dict]]:
+    """(content, reasoning, OpenAI tool_calls) of one generated turn, as vLLM's chat server reads a reply: the
+    reasoning parser first, then, when tools are offered, the tool parser on what it left. A turn without calls
+    keeps all its text but the reasoning as content."""
+    reasoning, rest = split_reasoning(text, parser=reasoning_parser, tokenizer=tokenizer,
+                                      chat_template_kwargs=chat_template_kwargs)
+    if rest is None or not tools:
+        return rest, reasoning, []
+    content, calls = parse_tool_calls(rest, parser=tool_parser, tokenizer=tokenizer, tools=tools)
+    return (content, reasoning, calls) if calls else (rest, reasoning, [])
 
 
 def split_reasoning(text: str, *, parser: str | None, tokenizer, chat_template_kwargs: dict | None = None

@@ -138,7 +138,7 @@ def _check_flawed_turns(groups, rows: list[dict], tokenizer, cfg) -> None:
     turns = [t for g in groups for c in g.completions for t in _turns(c)]
     assert sum(r["train/num_assistant_messages"] for r in rows) == len(turns)
     assert sum(r["train/num_invalid_tool_calls"] for r in rows) == sum(f & 1 for _, f in turns)
-    markers = cfg.policy.generation.endpoint
+    markers = cfg.policy.generation
     for ids, flaws in turns:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         assert not flaws & 1 or any(p in text for p in markers.invalid_tool_call_patterns), text

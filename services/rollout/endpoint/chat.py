@@ -9,7 +9,7 @@ earlier tokens.
 
 With `policy.generation.reasoning_parser` a reply's reasoning is its message's `reasoning` (vLLM's field), and
 an assistant message sent back with `reasoning` (or the older `reasoning_content`) gives it to the chat template,
-as vLLM's server does. Each reply is judged for flaws (flaws.py), which the episode's samples carry.
+as vLLM's server does. Each reply is judged for flaws (services/rollout/flaws.py), which the episode's samples carry.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ import time
 import uuid
 
 from services.common.config import GenerationConfig
-from services.rollout.endpoint.flaws import turn_flaws
+from services.rollout.flaws import turn_flaws
 from services.rollout.endpoint.generation import Generator, Result
 from services.rollout.endpoint.recording import Turn
 from services.rollout.endpoint.render import (canonical, off_loop_if_long, render_ids, spliced,
                                              template_messages)
 from services.rollout.endpoint.schemas import ChatRequest
 from services.rollout.endpoint.sessions import Episode
-from services.rollout.tools import load_reasoning_parser, parse_tool_calls, split_reasoning
+from services.rollout.tools import load_reasoning_parser, read_turn
 
 
 class Chat:
     def __init__(self, generator: Generator, tokenizer, g: GenerationConfig, model_name: str) -> None:
         self.generator, self.tokenizer, self.model_name = generator, tokenizer, model_name
         self.tool_parser, self.reasoning_parser = g.tool_parser, g.reasoning_parser
-        self.flaw_patterns = g.endpoint.invalid_tool_call_patterns, g.endpoint.thinking_tags
+        self.flaw_patterns = g.invalid_tool_call_patterns, g.thinking_tags
         self.stops = {tokenizer.eos_token_id, *(generator.default.stop_token_ids or [])}
         if g.reasoning_parser is not None:
             load_reasoning_parser(g.reasoning_parser, tokenizer)
@@ -66,14 +66,11 @@ class Chat:
         return render_ids(self.tokenizer, messages, tools, kwargs, generation=True)
 
     def parse(self, text: str, tools, tool_choice, kwargs: dict) -> tuple[str | None, str | None, list[dict]]:
-        """(content, reasoning, tool calls) of one generated text: the reasoning parser first (given the request's
-        chat_template_kwargs), then the tool parser on what it left, as vLLM's chat server reads them."""
-        reasoning, content = split_reasoning(text, parser=self.reasoning_parser, tokenizer=self.tokenizer,
-                                             chat_template_kwargs=kwargs or None)
-        if content is None or not tools or tool_choice == "none":
-            return content, reasoning, []
-        content, calls = parse_tool_calls(content, parser=self.tool_parser, tokenizer=self.tokenizer, tools=tools)
-        return content, reasoning, calls
+        """(content, reasoning, tool calls) of one generated text (tools.read_turn, with the request's
+        chat_template_kwargs); no calls are read when tool_choice is none."""
+        return read_turn(text, tokenizer=self.tokenizer, tools=None if tool_choice == "none" else tools,
+                         tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
+                         chat_template_kwargs=kwargs or None)
 
     def completion(self, req: ChatRequest, result: Result, replies: list) -> dict:
         choices = []

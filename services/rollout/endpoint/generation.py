@@ -107,7 +107,7 @@ class Generator:
 
     def record(self, episode: Episode, result: Result, turns: list[Turn] = (), flaws: list[int] = (),
                conversation: list[dict] | None = None) -> None:
-        """`flaws`: each choice's TurnFlaw bits (flaws.py); none given, none found."""
+        """`flaws`: each choice's TurnFlaw bits (services/rollout/flaws.py); none given, none found."""
         flaws = list(flaws) or [0] * len(result.outs)
         choices = [Choice(token_ids=o.token_ids, logprobs=o.logprobs, truncated=o.truncated, flaws=f,
                           versions=list(o.versions) or [self.engine.version] * len(o.token_ids))

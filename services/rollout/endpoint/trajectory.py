@@ -34,7 +34,7 @@ class Choice:
     truncated: bool = False
     """Stopped by max_tokens (or the sequence limit) rather than a stop."""
     flaws: int = 0
-    """TurnFlaw bits the endpoint found in this reply (flaws.py); every one of its tokens carries them."""
+    """TurnFlaw bits the endpoint found in this reply (services/rollout/flaws.py); every one of its tokens carries them."""
 
 
 @dataclass(kw_only=True, slots=True)

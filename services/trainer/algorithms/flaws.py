@@ -1,7 +1,7 @@
 """NeMo RL's advantage overrides for flawed assistant turns (`grpo.invalid_tool_call_advantage`,
 `grpo.malformed_thinking_advantage`; its grpo.py `_apply_message_level_advantage_penalties`, read at 7ea279a).
 
-Every loss token of a turn the endpoint flagged (Completion.flaws, services/rollout/endpoint/flaws.py) gets the
+Every loss token of a turn the endpoint flagged (Completion.flaws, services/rollout/flaws.py) gets the
 configured advantage in place of its sample's, whatever the estimator gave; where a turn has both flaws the invalid
 tool call's value wins, as in NeMo RL. A turn is a run of consecutive loss tokens: the endpoint's replies are
 separated by the prompt tokens between them (tool results, the template's turn markers), and each is NeMo RL's

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 from services.common.config import load_config
 from services.common.modeling import load_policy
 from services.environment.envs.tool_add import ADD_TOOL
-from services.rollout.endpoint.flaws import INVALID_TOOL_CALL
+from services.rollout.flaws import INVALID_TOOL_CALL
 from services.rollout.endpoint.server import EndpointServer
 from services.rollout.engines import make_engine
 

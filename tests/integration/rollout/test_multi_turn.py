@@ -28,7 +28,7 @@ async def test_each_turn_hands_the_environment_the_state_its_last_step_returned(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             runner = EpisodeRunner(engine, environment_pb2_grpc.EnvironmentServiceStub(channel),
-                                   default_sampling=cfg.policy.generation,
+                                   generation=cfg.policy.generation,
                                    max_seq_len=cfg.policy.max_total_sequence_length,
                                    step_timeout_s=cfg.rollout.step_timeout_s)
             row = make_environment("sliding_puzzle").prompts(1, seed=0, offset=0)[0]

@@ -31,7 +31,7 @@ async def test_a_prompt_at_the_limit_gets_empty_truncated_completions_and_a_shor
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             runner = EpisodeRunner(engine, environment_pb2_grpc.EnvironmentServiceStub(channel),
-                                   default_sampling=cfg.policy.generation,
+                                   generation=cfg.policy.generation,
                                    max_seq_len=cfg.policy.max_total_sequence_length,
                                    max_prompt_len=cfg.data.max_input_seq_length,
                                    step_timeout_s=cfg.rollout.step_timeout_s)

@@ -19,6 +19,7 @@ from services.common.structs import to_struct
 from services.environment.envs.tool_add import ADD_TOOL
 from services.rollout.engines import Engine, make_engine
 from services.rollout.episodes import EpisodeRunner
+from services.rollout.flaws import INVALID_TOOL_CALL
 from services.rollout.tools import parse_tool_calls
 
 pytestmark = pytest.mark.slow  # the brief training takes a minute or more on two shared cores
@@ -35,7 +36,7 @@ async def _episodes(model_dir, tool_parser: str | None, backend: str = "hf"
                     ) -> tuple[types_pb2.TrajectoryGroup, Engine]:
     overrides = [f"policy.model_name={model_dir}", "policy.max_total_sequence_length=256",
                  "policy.generation.max_new_tokens=80", "policy.generation.temperature=0.05",
-                 f"policy.generation.backend={backend}"]
+                 f"policy.generation.backend={backend}", f"policy.generation.tool_parser={tool_parser or 'null'}"]
     cfg = load_config(None, overrides)
     engine = make_engine(cfg, "tools")
     await engine.start()
@@ -45,8 +46,7 @@ async def _episodes(model_dir, tool_parser: str | None, backend: str = "hf"
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             runner = EpisodeRunner(engine, environment_pb2_grpc.EnvironmentServiceStub(channel),
-                                   default_sampling=cfg.policy.generation, max_seq_len=256,
-                                   step_timeout_s=30, tool_parser=tool_parser)
+                                   generation=cfg.policy.generation, max_seq_len=256, step_timeout_s=30)
             group = types_pb2.PromptGroup(
                 group_id="g", prompt_id="p", env_name="tool_add", num_generations=G, max_turns=3,
                 messages=[types_pb2.ChatMessage(role="user", content="add 3 4")], tools=[tool_from_dict(ADD_TOOL)],
@@ -84,9 +84,12 @@ async def test_the_model_calls_the_tool_gets_its_result_as_masked_tokens_and_ans
         assert tok.decode(result) == "t:7\na:"  # the tool message as the chat template writes it, loss mask 0
         assert tok.decode(answer, skip_special_tokens=True) == "7"
         assert all(lp == 0.0 for lp, m in zip(c.generation_logprobs, c.generated_mask) if not m)
+        assert list(c.flaws) == []  # a call the parser read, an answer without markup: sound turns
 
 
 async def test_without_a_tool_parser_the_call_stays_text_and_the_task_is_not_solved(model_dir):
+    """The call left as text is what NeMo RL flags an invalid tool call: every token of the turn carries the flag."""
     group, _ = await _episodes(model_dir, None)
     for c in group.completions:
         assert c.turns == 1 and c.reward == 0.0 and "<tool_call>" in c.text
+        assert list(c.flaws) == [INVALID_TOOL_CALL if g else 0 for g in c.generated_mask]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.common.config import ConfigError, GRPOConfig, load_config
+from services.common.config import GRPOConfig
 from services.trainer.algorithms import flawed_turn_advantages
 from services.trainer.batch import batch_advantages, build_batch
 
@@ -103,9 +103,3 @@ def test_batch_advantages_override_only_when_configured():
     assert got[0, 1:].tolist() == [-5.0, -5.0]  # the flawed turn's targets
     assert torch.equal(got[1], plain[1].expand(3))
     assert metrics["num_invalid_tool_calls"] == 1 and metrics["num_assistant_messages"] == 2
-
-
-def test_an_override_without_an_agent_environment_is_refused():
-    """Only agents call the endpoint, which flags turns: otherwise the override would change nothing."""
-    with pytest.raises(ConfigError, match="only agent environments call it"):
-        load_config(None, ["grpo.invalid_tool_call_advantage=-5"])

@@ -85,7 +85,7 @@ def test_with_nemo_gym_off_its_section_is_accepted_as_inert():
 def test_the_nemotron_super_recipes_agent_keys_land_on_the_endpoint_and_the_trainer():
     """What NeMo RL's Nemotron-3-Super stages ask of agents (stage3_rlhf's values): the advantage overrides for
     flawed turns on the trainer, the flaw markers (which NeMo RL reads, not NeMo Gym) and the reasoning parser on
-    the endpoint, vLLM's server-wide template kwargs on the tokenizer; the keys NeMo RL never reads accepted."""
+    rollout, vLLM's server-wide template kwargs on the tokenizer; the keys NeMo RL never reads accepted."""
     cfg, notes = load(GDPO, [*EDITS, "++grpo.invalid_tool_call_advantage=-5.0",
                              "++grpo.malformed_thinking_advantage=-5.0", "++grpo.penalize_invalid_tool_call=true",
                              "grpo.async_grpo.max_generation_failures=3",
@@ -95,9 +95,8 @@ def test_the_nemotron_super_recipes_agent_keys_land_on_the_endpoint_and_the_trai
                              "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs.default_chat_template_kwargs"
                              ".enable_thinking=true"])
     assert (cfg.grpo.invalid_tool_call_advantage, cfg.grpo.malformed_thinking_advantage) == (-5.0, -5.0)
-    endpoint = cfg.policy.generation.endpoint
-    assert endpoint.invalid_tool_call_patterns == ["<tool_call>", "[TOOL]"]
-    assert endpoint.thinking_tags == ["<think>", "</think>"]
+    g = cfg.policy.generation
+    assert g.invalid_tool_call_patterns == ["<tool_call>", "[TOOL]"] and g.thinking_tags == ["<think>", "</think>"]
     [env] = cfg.environments
     assert not {"invalid_tool_call_patterns", "thinking_tags"} & set(env.agent["overrides"])  # not NeMo Gym's
     assert cfg.policy.generation.reasoning_parser == "deepseek_r1"

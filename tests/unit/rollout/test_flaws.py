@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import EndpointConfig
+from services.common.config import GenerationConfig
 from services.common.modeling import build_tiny_tokenizer
 from services.common.pb.flywheel.v1 import types_pb2
-from services.rollout.endpoint.flaws import turn_flaws
+from services.rollout.flaws import turn_flaws
 from services.rollout.tools import load_reasoning_parser, split_reasoning
 from services.trainer.algorithms import flaws as trainer_flaws
 
-DEFAULTS = EndpointConfig()
+DEFAULTS = GenerationConfig()
 INVALID, MALFORMED = 1, 2
 CALL = [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
 
