@@ -9,9 +9,9 @@ Tools: a prompt group may offer tools (OpenAI definitions), which the chat templ
 With policy.generation.tool_parser set, each assistant turn of such a group is read for tool calls by vLLM's
 parser (tools.py), and the environment's Step sees the assistant message with its `tool_calls`; with
 reasoning_parser, its reasoning apart from its content. Each turn is judged for flaws (flaws.py), which its tokens
-carry, as the endpoint's turns do. An environment
-that answers with messages (`observations`: role "tool", tool_call_id) has them appended as the chat template
-writes them after the turn (loss mask 0); the generated tokens of earlier turns are never re-tokenized.
+carry, as the endpoint's turns do. An environment that answers with messages (`observations`: role "tool",
+tool_call_id) has them appended as the chat template writes them after the turn (loss mask 0); the generated
+tokens of earlier turns are never re-tokenized.
 
 Each episode records the versions that produced its first and last generated token, as the engine reports them
 per token (they differ only when weights were swapped in flight). Each engine call is a `rollout.generate` span
