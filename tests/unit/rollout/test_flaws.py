@@ -81,3 +81,23 @@ def test_a_parser_that_reads_the_requests_template_kwargs_gets_them(thinking_tok
     assert split_reasoning(text, parser="deepseek_v3", tokenizer=thinking_tokenizer) == (None, text)
     assert split_reasoning(text, parser="deepseek_v3", tokenizer=thinking_tokenizer,
                            chat_template_kwargs={"thinking": True}) == ("x", "y")
+
+
+def test_a_turn_is_read_reasoning_first_then_its_calls_from_the_rest(thinking_tokenizer):
+    """tools.read_turn, which the endpoint and the episode loop share, on a thinking model's call: vLLM's deepseek_r1
+    parser, then its hermes parser on what the reasoning left."""
+    from services.environment.envs.tool_add import ADD_TOOL
+    from services.rollout.tools import read_turn
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    parsers = dict(tokenizer=thinking_tokenizer, tool_parser="hermes", reasoning_parser="deepseek_r1")
+    content, reasoning, calls = read_turn(f"<think>add them</think>{call}", tools=[ADD_TOOL], **parsers)
+    assert reasoning == "add them" and [c["function"]["name"] for c in calls] == ["add"]
+    assert turn_flaws(content, reasoning, calls, patterns=DEFAULTS.invalid_tool_call_patterns,
+                      tags=DEFAULTS.thinking_tags) == 0
+    broken = call[:30]  # cut off inside its JSON: hermes reads no call, the markup stays
+    content, reasoning, calls = read_turn(f"<think>add them</think>{broken}", tools=[ADD_TOOL], **parsers)
+    assert (content, reasoning, calls) == (broken, "add them", [])
+    assert turn_flaws(content, reasoning, calls, patterns=DEFAULTS.invalid_tool_call_patterns,
+                      tags=DEFAULTS.thinking_tags) == INVALID
+    assert read_turn(f"<think>x</think>{call}", tools=None, **parsers) == (call, "x", [])  # no tools: no calls
