@@ -22,7 +22,7 @@ import pytest_asyncio
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
-from engine_harness import Trainer, policy  # noqa: E402
+from engine_harness import policy, serving  # noqa: E402
 from tool_demos import END_THINK, THINK, thinking_model  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
@@ -33,7 +33,6 @@ from services.environment.agents.nemo_gym import NemoGymAgent, to_result  # noqa
 from services.environment.agents.nemo_gym_tasks import read_tasks  # noqa: E402
 from services.environment.agents.registry import UnknownAgent, make_agent  # noqa: E402
 from services.rollout.endpoint.server import EndpointServer  # noqa: E402
-from services.rollout.engines import make_engine  # noqa: E402
 from needs import require  # noqa: E402
 
 VENV = Path(__file__).parents[3] / ".venv-gym"
@@ -56,17 +55,8 @@ TEMPLATE = ("{{ bos_token }}{% if tools %}s:tools {{ tools | map(attribute='func
 async def endpoint():
     cfg = load_config(None, ["policy.generation.backend=hf", "policy.max_total_sequence_length=512",
                              "policy.generation.max_new_tokens=8"])
-    engine = make_engine(cfg, "gym-test")
-    await engine.start()
-    engine.tokenizer.chat_template = TEMPLATE
-    trainer = Trainer("gym-test")
-    await trainer.push(engine, 0, policy(cfg, seed=cfg.run.seed))
-    server = EndpointServer(cfg, engine, "gym-test")
-    await server.start()
-    yield server, engine
-    await server.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "gym-test", policy(cfg, seed=cfg.run.seed), TEMPLATE) as served:
+        yield served
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -76,17 +66,8 @@ async def thinking_endpoint(tmp_path_factory):
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
                              "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=16",
                              "policy.generation.reasoning_parser=deepseek_r1"])
-    engine = make_engine(cfg, "gym-thinking")
-    await engine.start()
-    engine.tokenizer.chat_template = TEMPLATE
-    trainer = Trainer("gym-thinking")
-    await trainer.push(engine, 0, load_policy(cfg.policy, cfg.run.seed)[0])
-    server = EndpointServer(cfg, engine, "gym-thinking")
-    await server.start()
-    yield server, engine
-    await server.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "gym-thinking", load_policy(cfg.policy, cfg.run.seed)[0], TEMPLATE) as served:
+        yield served
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -26,10 +26,9 @@ from services.common.config import load_config
 from services.environment.agents import AgentEpisode, AgentError
 from services.environment.agents.verifiers_agent import DEFAULT_PYTHON, TASK_KEY, VerifiersAgent, verifiers_rows
 from services.rollout.endpoint.server import EndpointServer
-from services.rollout.engines import make_engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
-from engine_harness import Trainer, policy  # noqa: E402
+from engine_harness import policy, serving  # noqa: E402
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.slow
@@ -50,17 +49,8 @@ TEMPLATE = ("{{ bos_token }}{% if tools %}s:tools {{ tools | map(attribute='func
 async def endpoint():
     cfg = load_config(None, ["policy.generation.backend=hf", "policy.max_total_sequence_length=400",
                              "policy.generation.max_new_tokens=8"])
-    engine = make_engine(cfg, "verifiers-test")
-    await engine.start()
-    engine.tokenizer.chat_template = TEMPLATE
-    trainer = Trainer("verifiers-test")
-    await trainer.push(engine, 0, policy(cfg, seed=cfg.run.seed))
-    server = EndpointServer(cfg, engine, "verifiers-test")
-    await server.start()
-    yield server, engine.tokenizer
-    await server.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "verifiers-test", policy(cfg, seed=cfg.run.seed), TEMPLATE) as (server, engine):
+        yield server, engine.tokenizer
 
 
 @pytest.fixture(scope="module")

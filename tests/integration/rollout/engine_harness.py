@@ -1,9 +1,10 @@
 """The trainer's side of a weight sync, for engine tests: policy states, a real WeightSender, the trainer's
-logprobs, and NeMo RL's token_mult_prob_error."""
+logprobs, and NeMo RL's token_mult_prob_error; and the endpoint served on an engine at version 0."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import torch
@@ -12,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy, token_logprobs
 from services.common.weights import SyncResult, WeightSender
+from services.rollout.endpoint.server import EndpointServer
 from services.rollout.engines import Engine, Generated, Sampling, make_engine
 from services.rollout.episodes import prompt_token_ids
 
@@ -64,6 +66,28 @@ class Trainer:
 
     def close(self) -> None:
         self.sender.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: FlywheelConfig, name: str, model: torch.nn.Module, template: str | None = None):
+    """(endpoint, engine): `cfg`'s engine started, `template` as its chat template when given, `model`'s weights
+    pushed as version 0 by a real WeightSender, and the OpenAI-compatible endpoint listening on a free port."""
+    engine = make_engine(cfg, name)
+    await engine.start()
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    trainer = Trainer(name)
+    try:
+        await trainer.push(engine, 0, model)
+        endpoint = EndpointServer(cfg, engine, name)
+        await endpoint.start()
+        try:
+            yield endpoint, engine
+        finally:
+            await endpoint.stop()
+    finally:
+        trainer.close()
+        await engine.close()
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from engine_harness import PARITY, Trainer, policy, token_mult_prob_error
+from engine_harness import PARITY, policy, serving, token_mult_prob_error
 from openai import AsyncOpenAI, AuthenticationError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -22,7 +22,6 @@ from prometheus_client import REGISTRY
 from services.common.config import load_config
 from services.common.modeling import token_logprobs
 from services.rollout.endpoint.server import EndpointServer
-from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 EXAMPLE = Path(__file__).parents[3] / "examples" / "agent_calculator.py"
@@ -43,18 +42,9 @@ async def served():
     """(endpoint, engine, the trainer's model at version 0)."""
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.max_total_sequence_length={LIMIT}",
                              "policy.generation.max_new_tokens=6"])
-    engine = make_engine(cfg, "endpoint-test")
-    await engine.start()
-    engine.tokenizer.chat_template = TEMPLATE
-    trainer = Trainer("endpoint-test")
     model = policy(cfg, seed=cfg.run.seed)
-    await trainer.push(engine, 0, model)
-    endpoint = EndpointServer(cfg, engine, "endpoint-test")
-    await endpoint.start()
-    yield endpoint, engine, model
-    await endpoint.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "endpoint-test", model, TEMPLATE) as (endpoint, engine):
+        yield endpoint, engine, model
 
 
 def agent(endpoint: EndpointServer) -> tuple[str, AsyncOpenAI]:

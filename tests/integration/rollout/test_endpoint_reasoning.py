@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
-from engine_harness import Trainer
+from engine_harness import serving
 from openai import AsyncOpenAI
 from tool_demos import END_THINK as END
 from tool_demos import THINK, thinking_model
 
 from services.common.config import load_config
 from services.common.modeling import load_policy
-from services.rollout.endpoint.server import EndpointServer
-from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 # The tiny template with assistant turns closed by EOS, as a thinking model's template closes them (<|im_end|>),
@@ -32,18 +30,8 @@ async def served(tmp_path_factory):
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
                              "policy.max_total_sequence_length=128", "policy.generation.max_new_tokens=16",
                              "policy.generation.reasoning_parser=deepseek_r1"])
-    engine = make_engine(cfg, "endpoint-reasoning")
-    await engine.start()
-    engine.tokenizer.chat_template = TEMPLATE
-    trainer = Trainer("endpoint-reasoning")
-    model, _ = load_policy(cfg.policy, cfg.run.seed)
-    await trainer.push(engine, 0, model)
-    endpoint = EndpointServer(cfg, engine, "endpoint-reasoning")
-    await endpoint.start()
-    yield endpoint, engine
-    await endpoint.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "endpoint-reasoning", load_policy(cfg.policy, cfg.run.seed)[0], TEMPLATE) as served:
+        yield served
 
 
 async def test_the_reasoning_comes_apart_from_the_answer_and_a_reply_sent_back_with_it_continues(served):

@@ -11,15 +11,13 @@ import re
 
 import pytest
 import pytest_asyncio
-from engine_harness import Trainer
+from engine_harness import serving
 from openai import AsyncOpenAI
 
 from services.common.config import load_config
 from services.common.modeling import load_policy
 from services.environment.envs.tool_add import ADD_TOOL
 from services.rollout.flaws import INVALID_TOOL_CALL
-from services.rollout.endpoint.server import EndpointServer
-from services.rollout.engines import make_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)  # a last block may be cut off
@@ -32,17 +30,8 @@ async def served(tool_model):
     cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
                              "policy.max_total_sequence_length=256", "policy.generation.max_new_tokens=80",
                              "policy.generation.tool_parser=hermes"])
-    engine = make_engine(cfg, "endpoint-tools")
-    await engine.start()
-    trainer = Trainer("endpoint-tools")
-    model, _ = load_policy(cfg.policy, cfg.run.seed)
-    await trainer.push(engine, 0, model)
-    endpoint = EndpointServer(cfg, engine, "endpoint-tools")
-    await endpoint.start()
-    yield endpoint, engine
-    await endpoint.stop()
-    trainer.close()
-    await engine.close()
+    async with serving(cfg, "endpoint-tools", load_policy(cfg.policy, cfg.run.seed)[0]) as served:
+        yield served
 
 
 def _calls(blocks: list[str]) -> list[tuple[str, dict]]:
