@@ -7,6 +7,7 @@ environment observations and padding have token_mask 0.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,8 @@ from torch import Tensor
 from services.common.config import GRPOConfig
 from services.common.rewards import scale_reward
 from services.trainer.algorithms import (compute_advantages, flawed_turn_advantages, gdpo_advantages,
-                                         overlong_reward_penalty, reinforce_plus_plus_advantages)
+                                         mask_by_sequence_error, overlong_reward_penalty,
+                                         reinforce_plus_plus_advantages)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -144,6 +146,15 @@ def _check_teacher(g, c, n: int, k: int) -> None:
             f"group {g.group_id!r}: a completion of {n} tokens carries teacher top-k (k, logits, token_ids) = {got}, "
             f"expected ({k}, {n * k}, {n * k}): every group of a distillation run must be scored by the teacher "
             f"(distillation.topk_logits_k = {k}) before it reaches replay")
+
+
+def mask_batch_by_sequence_error(b: TrainBatch, logprobs: Tensor, threshold: float
+                                 ) -> tuple[TrainBatch, dict[str, float]]:
+    """grpo.seq_logprob_error_threshold: `b` with the samples whose engine logprobs disagree with the weights'
+    `logprobs` [B, L-1] of every row out of the loss (algorithms.mask_by_sequence_error), and NeMo RL's metrics."""
+    sample_mask, metrics = mask_by_sequence_error(logprobs, b.generation_logprobs, b.token_mask, b.sample_mask,
+                                                  b.rewards, threshold)
+    return dataclasses.replace(b, sample_mask=sample_mask), metrics
 
 
 def batch_advantages(b: TrainBatch, g: GRPOConfig) -> tuple[Tensor, dict[str, float]]:

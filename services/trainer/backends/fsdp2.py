@@ -14,7 +14,6 @@ weights are cast to the configured precision only when they are published.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
-from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
+from services.trainer.algorithms import LossInputs, clipped_pg_loss
 from services.trainer.algorithms.metrics import combine_metrics, reduction
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.context_parallel import use_context_parallel_attention
@@ -41,7 +40,7 @@ from services.trainer.backends.full_weights import full_weights
 from services.trainer.backends.offline_step import offline_step, offline_validate
 from services.trainer.backends.reward_head import load_scorer
 from services.trainer.backends.tensor_parallel import grad_allreduce_params, sum_over_tp, tensor_parallel
-from services.trainer.batch import TrainBatch
+from services.trainer.batch import TrainBatch, mask_batch_by_sequence_error
 from services.trainer.distributed import RankInfo
 from services.trainer.lora import adapters_off, apply_lora
 from services.trainer.optim import build_optimizer, build_scheduler, state_in_host_memory
@@ -166,9 +165,7 @@ class FSDP2Backend(TrainingBackend):
             summed = logprobs.to(self.device, copy=True)
             dist.all_reduce(summed, group=self.mesh["dp"].get_group())
             logprobs = summed.cpu()
-        sample_mask, metrics = mask_by_sequence_error(logprobs, b.generation_logprobs, b.token_mask, b.sample_mask,
-                                                      b.rewards, threshold)
-        return dataclasses.replace(b, sample_mask=sample_mask), metrics
+        return mask_batch_by_sequence_error(b, logprobs, threshold)
 
     def _reference_logprobs(self, b: TrainBatch, lengths: list[int]) -> Tensor | None:
         """With LoRA the reference policy is the frozen base: the policy with its adapters off."""

@@ -18,7 +18,6 @@ data-parallel ranks, so the loss is multiplied by both to make them sums.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -29,11 +28,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
-from services.trainer.algorithms import LossInputs, clipped_pg_loss, mask_by_sequence_error
+from services.trainer.algorithms import LossInputs, clipped_pg_loss
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.hf_megatron import Shape
 from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available, vocab_parallel_logprobs
-from services.trainer.batch import TrainBatch
+from services.trainer.batch import TrainBatch, mask_batch_by_sequence_error
 from services.trainer.distributed import RankInfo
 from services.trainer.optim import build_scheduler
 
@@ -134,9 +133,7 @@ class MegatronBackend(TrainingBackend):
         threshold = self.cfg.grpo.seq_logprob_error_threshold
         if threshold is None:
             return b, {}
-        sample_mask, metrics = mask_by_sequence_error(self._all_logprobs(b, rows), b.generation_logprobs,
-                                                      b.token_mask, b.sample_mask, b.rewards, threshold)
-        return dataclasses.replace(b, sample_mask=sample_mask), metrics
+        return mask_batch_by_sequence_error(b, self._all_logprobs(b, rows), threshold)
 
     def _all_logprobs(self, b: TrainBatch, rows: list[list[int]]) -> Tensor:
         """[B, L-1] logprobs of every row under the current weights, on every rank: this data-parallel rank's rows
