@@ -77,6 +77,13 @@ def thinking_model(out: Path, steps: int = 120) -> Path:
     return supervise(out, demo, steps=steps, threads=1, added_tokens=[THINK, END_THINK])
 
 
+def thinking_config(model_dir: Path, max_total_sequence_length: int):
+    """The config that serves `thinking_model`'s model on the hf engine with vLLM's deepseek_r1 reasoning parser."""
+    return load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
+                              f"policy.max_total_sequence_length={max_total_sequence_length}",
+                              "policy.generation.max_new_tokens=16", "policy.generation.reasoning_parser=deepseek_r1"])
+
+
 def warm_start(out: Path, *, steps: int, answer_fraction: float, pairs: list[tuple[int, int]] | None = None,
                seed: int = 0, batch: int = 16, threads: int | None = None) -> Path:
     """Train the tiny model `steps` AdamW steps on tool_add demonstrations of `pairs` (default: every pair of

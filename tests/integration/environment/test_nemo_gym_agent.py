@@ -23,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from engine_harness import policy, serving  # noqa: E402
-from tool_demos import END_THINK, THINK, thinking_model  # noqa: E402
+from tool_demos import END_THINK, THINK, thinking_config, thinking_model  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
 from services.common.modeling import load_policy  # noqa: E402
@@ -62,10 +62,7 @@ async def endpoint():
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def thinking_endpoint(tmp_path_factory):
     """The endpoint with vLLM's deepseek_r1 reasoning parser, serving a tiny model taught to think first."""
-    model_dir = thinking_model(tmp_path_factory.mktemp("thinking_model"))
-    cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
-                             "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=16",
-                             "policy.generation.reasoning_parser=deepseek_r1"])
+    cfg = thinking_config(thinking_model(tmp_path_factory.mktemp("thinking_model")), 512)
     async with serving(cfg, "gym-thinking", load_policy(cfg.policy, cfg.run.seed)[0], TEMPLATE) as served:
         yield served
 

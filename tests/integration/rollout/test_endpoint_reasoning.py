@@ -11,9 +11,8 @@ import pytest_asyncio
 from engine_harness import serving
 from openai import AsyncOpenAI
 from tool_demos import END_THINK as END
-from tool_demos import THINK, thinking_model
+from tool_demos import THINK, thinking_config, thinking_model
 
-from services.common.config import load_config
 from services.common.modeling import load_policy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -26,10 +25,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['cont
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory):
-    model_dir = thinking_model(tmp_path_factory.mktemp("thinking_model"))
-    cfg = load_config(None, ["policy.generation.backend=hf", f"policy.model_name={model_dir}",
-                             "policy.max_total_sequence_length=128", "policy.generation.max_new_tokens=16",
-                             "policy.generation.reasoning_parser=deepseek_r1"])
+    cfg = thinking_config(thinking_model(tmp_path_factory.mktemp("thinking_model")), 128)
     async with serving(cfg, "endpoint-reasoning", load_policy(cfg.policy, cfg.run.seed)[0], TEMPLATE) as served:
         yield served
 
