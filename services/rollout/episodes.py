@@ -35,7 +35,6 @@ from services.common.logs import RateLimitedLog
 from services.common.messages import message_from_dict, message_to_dict, tools_to_dicts
 from services.common.pb.flywheel.v1 import environment_pb2, environment_pb2_grpc, types_pb2
 from services.rollout.engines import Engine, Generated, Sampling
-from services.rollout.flaws import turn_flaws
 from services.rollout.steps import StepBatcher
 from services.rollout.tools import (TemplateDrift, load_parser, load_reasoning_parser, observation_text, read_turn,
                                     render)
@@ -200,17 +199,14 @@ class EpisodeRunner:
     def _assistant(self, text: str, tools: list[dict] | None) -> tuple[dict, int]:
         """The assistant message of a generated turn (its reasoning apart with a reasoning parser, the calls the tool
         parser reads when tools are offered), and the turn's TurnFlaw bits (flaws.py)."""
-        g = self.generation
-        content, reasoning, calls = read_turn(text, tokenizer=self.engine.tokenizer, tools=tools,
-                                              tool_parser=g.tool_parser, reasoning_parser=g.reasoning_parser)
-        flaws = turn_flaws(content, reasoning, calls, patterns=g.invalid_tool_call_patterns, tags=g.thinking_tags)
-        message = {"role": "assistant", "content": content or ""}
-        if reasoning:
-            message["reasoning"] = reasoning
-        if calls:
-            TOOL_CALLS.inc(len(calls))
-            message["tool_calls"] = calls
-        return message, flaws
+        turn = read_turn(text, self.generation, tokenizer=self.engine.tokenizer, tools=tools)
+        message = {"role": "assistant", "content": turn.content or ""}
+        if turn.reasoning:
+            message["reasoning"] = turn.reasoning
+        if turn.calls:
+            TOOL_CALLS.inc(len(turn.calls))
+            message["tool_calls"] = turn.calls
+        return message, turn.flaws
 
     async def _step_environment(self, group: types_pb2.PromptGroup, active: list[EpisodeState], prompt_len: int,
                                 tools: list[dict] | None) -> None:

@@ -4,9 +4,9 @@
 reasoning off (`policy.generation.reasoning_parser`, vLLM's reasoning parsers), then `parse_tool_calls` reads the
 calls a model wrote from the rest, with the parser of its family that vLLM ships
 (`policy.generation.tool_parser`: "hermes", "llama3_json", "qwen3_coder", "mistral", ... any name in vLLM's
-`ToolParserManager`). The parsers are pure Python over the tokenizer, so the hf backend uses them too; only the
-vllm package must be installed (the config refuses a tool_parser without it). Both the episode loop and the
-OpenAI-compatible endpoint call it.
+`ToolParserManager`), and the turn is judged for flaws (flaws.py). The parsers are pure Python over the tokenizer,
+so the hf backend uses them too; only the vllm package must be installed (the config refuses a tool_parser without
+it). Both the episode loop and the OpenAI-compatible endpoint call it.
 
 `render` applies the chat template with `tools=`; `observation_text` is what the template writes for the
 environment's messages (tool results) after the conversation so far, up to the next assistant prompt: the
@@ -19,6 +19,10 @@ import functools
 import json
 import logging
 import uuid
+from dataclasses import dataclass
+
+from services.common.config import GenerationConfig
+from services.rollout.flaws import turn_flaws
 
 # A policy in training writes malformed calls often; vLLM's parsers log each with its traceback and answer "no
 # call", which is what the episode records. Keep their errors out of the worker's log.
@@ -43,17 +47,29 @@ def parse_tool_calls(text: str, *, parser: str | None, tokenizer, tools: list[di
     return info.content, calls
 
 
-def read_turn(text: str, *, tokenizer, tools: list[dict] | None, tool_parser: str | None, reasoning_parser: str | None,
-              chat_template_kwargs: dict | None = None) -> tuple[str | None, str | None, list[dict]]:
-    """(content, reasoning, OpenAI tool_calls) of one generated turn, as vLLM's chat server reads a reply: the
-    reasoning parser first, then, when tools are offered, the tool parser on what it left. A turn without calls
-    keeps all its text but the reasoning as content."""
-    reasoning, rest = split_reasoning(text, parser=reasoning_parser, tokenizer=tokenizer,
-                                      chat_template_kwargs=chat_template_kwargs)
-    if rest is None or not tools:
-        return rest, reasoning, []
-    content, calls = parse_tool_calls(rest, parser=tool_parser, tokenizer=tokenizer, tools=tools)
-    return (content, reasoning, calls) if calls else (rest, reasoning, [])
+@dataclass(frozen=True, slots=True)
+class ParsedTurn:
+    """One generated turn as read: its answer, reasoning and OpenAI tool_calls, and its TurnFlaw bits (flaws.py)."""
+
+    content: str | None
+    reasoning: str | None
+    calls: list[dict]
+    flaws: int
+
+
+def read_turn(text: str, g: GenerationConfig, *, tokenizer, tools: list[dict] | None,
+              chat_template_kwargs: dict | None = None) -> ParsedTurn:
+    """One generated turn as vLLM's chat server reads a reply, with policy.generation's parsers: the reasoning
+    parser first, then, when tools are offered, the tool parser on what it left (a turn without calls keeps all its
+    text but the reasoning as content); then judged for flaws with its markers."""
+    reasoning, content = split_reasoning(text, parser=g.reasoning_parser, tokenizer=tokenizer,
+                                         chat_template_kwargs=chat_template_kwargs)
+    calls: list[dict] = []
+    if content is not None and tools:
+        parsed, calls = parse_tool_calls(content, parser=g.tool_parser, tokenizer=tokenizer, tools=tools)
+        content = parsed if calls else content
+    flaws = turn_flaws(content, reasoning, calls, patterns=g.invalid_tool_call_patterns, tags=g.thinking_tags)
+    return ParsedTurn(content=content, reasoning=reasoning, calls=calls, flaws=flaws)
 
 
 def split_reasoning(text: str, *, parser: str | None, tokenizer, chat_template_kwargs: dict | None = None

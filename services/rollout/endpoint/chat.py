@@ -19,21 +19,20 @@ import time
 import uuid
 
 from services.common.config import GenerationConfig
-from services.rollout.flaws import turn_flaws
 from services.rollout.endpoint.generation import Generator, Result
 from services.rollout.endpoint.recording import Turn
 from services.rollout.endpoint.render import (canonical, off_loop_if_long, render_ids, spliced,
                                              template_messages)
 from services.rollout.endpoint.schemas import ChatRequest
 from services.rollout.endpoint.sessions import Episode
-from services.rollout.tools import load_reasoning_parser, read_turn
+from services.rollout.tools import ParsedTurn, load_reasoning_parser, read_turn
 
 
 class Chat:
     def __init__(self, generator: Generator, tokenizer, g: GenerationConfig, model_name: str) -> None:
         self.generator, self.tokenizer, self.model_name = generator, tokenizer, model_name
-        self.tool_parser, self.reasoning_parser = g.tool_parser, g.reasoning_parser
-        self.flaw_patterns = g.invalid_tool_call_patterns, g.thinking_tags
+        self.generation = g
+        """policy.generation: the parsers and flaw markers that read each reply (tools.read_turn)."""
         self.stops = {tokenizer.eos_token_id, *(generator.default.stop_token_ids or [])}
         if g.reasoning_parser is not None:
             load_reasoning_parser(g.reasoning_parser, tokenizer)
@@ -46,12 +45,13 @@ class Chat:
         history = canonical(messages, tools)
         prompt = await off_loop_if_long(len(history), self.prompt_ids, episode, messages, tools, kwargs)
         result = await self.generator.generate(episode, "chat", prompt, req, req.budget(), req.n)
-        replies = [self.parse(out.text, tools, req.tool_choice, kwargs) for out in result.outs]
-        turns = [Turn(history=history, reply=reply_key(*reply), token_ids=prompt + out.token_ids)
+        offered = None if req.tool_choice == "none" else tools
+        replies = [read_turn(out.text, self.generation, tokenizer=self.tokenizer, tools=offered,
+                             chat_template_kwargs=kwargs or None) for out in result.outs]
+        turns = [Turn(history=history, reply=reply_key(reply), token_ids=prompt + out.token_ids)
                  for out, reply in zip(result.outs, replies)]
-        patterns, tags = self.flaw_patterns
-        flaws = [turn_flaws(*reply, patterns=patterns, tags=tags) for reply in replies]
-        self.generator.record(episode, result, turns, flaws, conversation=messages + assistant_messages(*replies[0]))
+        self.generator.record(episode, result, turns, [r.flaws for r in replies],
+                              conversation=messages + assistant_messages(replies[0]))
         return self.completion(req, result, replies), result
 
     def prompt_ids(self, episode: Episode, messages: list[dict], tools, kwargs: dict) -> list[int]:
@@ -65,23 +65,16 @@ class Chat:
                     return ids
         return render_ids(self.tokenizer, messages, tools, kwargs, generation=True)
 
-    def parse(self, text: str, tools, tool_choice, kwargs: dict) -> tuple[str | None, str | None, list[dict]]:
-        """(content, reasoning, tool calls) of one generated text (tools.read_turn, with the request's
-        chat_template_kwargs); no calls are read when tool_choice is none."""
-        return read_turn(text, tokenizer=self.tokenizer, tools=None if tool_choice == "none" else tools,
-                         tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
-                         chat_template_kwargs=kwargs or None)
-
     def completion(self, req: ChatRequest, result: Result, replies: list) -> dict:
         choices = []
-        for i, (out, (content, reasoning, calls)) in enumerate(zip(result.outs, replies)):
-            message = {"role": "assistant", "content": content}
-            if reasoning is not None:
-                message["reasoning"] = reasoning
-            if calls:
-                message["tool_calls"] = calls
+        for i, (out, reply) in enumerate(zip(result.outs, replies)):
+            message = {"role": "assistant", "content": reply.content}
+            if reply.reasoning is not None:
+                message["reasoning"] = reply.reasoning
+            if reply.calls:
+                message["tool_calls"] = reply.calls
             entries = self.logprobs(out, req.return_tokens_as_token_ids) if req.logprobs else None
-            choice = {"index": i, "message": message, "finish_reason": finish(out, calls),
+            choice = {"index": i, "message": message, "finish_reason": finish(out, reply.calls),
                       "logprobs": {"content": entries} if req.logprobs else None}
             if req.return_token_ids:
                 message.update(prompt_token_ids=result.prompt_ids, generation_token_ids=out.token_ids,
@@ -103,17 +96,17 @@ class Chat:
         return entries
 
 
-def reply_key(content: str | None, reasoning: str | None, calls: list[dict]) -> str:
+def reply_key(reply: ParsedTurn) -> str:
     """The assistant message as the agent sends it back, canonical (content None and "" alike)."""
-    return canonical(assistant_messages(content, reasoning, calls))
+    return canonical(assistant_messages(reply))
 
 
-def assistant_messages(content: str | None, reasoning: str | None, calls: list[dict]) -> list[dict]:
+def assistant_messages(reply: ParsedTurn) -> list[dict]:
     """The reply as the chat template takes it back."""
     from services.rollout.endpoint.schemas import Message
 
-    return template_messages([Message(role="assistant", content=content, reasoning=reasoning,
-                                      tool_calls=calls or None)])
+    return template_messages([Message(role="assistant", content=reply.content, reasoning=reply.reasoning,
+                                      tool_calls=reply.calls or None)])
 
 
 def finish(out, calls: list[dict]) -> str:

@@ -26,7 +26,7 @@ PASSED = ("model", "temperature", "top_p", "metadata", "store", "user", "service
 
 async def answer(chat: Chat, episode: Episode, req: ResponsesRequest) -> dict:
     body = {k: getattr(req, k) for k in PASSED if getattr(req, k) is not None}
-    body.update(messages=messages(req, chat.reasoning_parser is not None), return_token_ids=True,
+    body.update(messages=messages(req, chat.generation.reasoning_parser is not None), return_token_ids=True,
                 max_tokens=req.max_output_tokens)
     if req.tools:
         body.update(tools=[chat_tool(t) for t in req.tools], tool_choice=req.tool_choice)

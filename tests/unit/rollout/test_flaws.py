@@ -90,14 +90,13 @@ def test_a_turn_is_read_reasoning_first_then_its_calls_from_the_rest(thinking_to
     from services.rollout.tools import read_turn
 
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-    parsers = dict(tokenizer=thinking_tokenizer, tool_parser="hermes", reasoning_parser="deepseek_r1")
-    content, reasoning, calls = read_turn(f"<think>add them</think>{call}", tools=[ADD_TOOL], **parsers)
-    assert reasoning == "add them" and [c["function"]["name"] for c in calls] == ["add"]
-    assert turn_flaws(content, reasoning, calls, patterns=DEFAULTS.invalid_tool_call_patterns,
-                      tags=DEFAULTS.thinking_tags) == 0
+    g = GenerationConfig(tool_parser="hermes", reasoning_parser="deepseek_r1")
+    turn = read_turn(f"<think>add them</think>{call}", g, tokenizer=thinking_tokenizer, tools=[ADD_TOOL])
+    assert turn.reasoning == "add them" and [c["function"]["name"] for c in turn.calls] == ["add"]
+    assert turn.flaws == 0
     broken = call[:30]  # cut off inside its JSON: hermes reads no call, the markup stays
-    content, reasoning, calls = read_turn(f"<think>add them</think>{broken}", tools=[ADD_TOOL], **parsers)
-    assert (content, reasoning, calls) == (broken, "add them", [])
-    assert turn_flaws(content, reasoning, calls, patterns=DEFAULTS.invalid_tool_call_patterns,
-                      tags=DEFAULTS.thinking_tags) == INVALID
-    assert read_turn(f"<think>x</think>{call}", tools=None, **parsers) == (call, "x", [])  # no tools: no calls
+    turn = read_turn(f"<think>add them</think>{broken}", g, tokenizer=thinking_tokenizer, tools=[ADD_TOOL])
+    assert (turn.content, turn.reasoning, turn.calls) == (broken, "add them", [])
+    assert turn.flaws == INVALID
+    turn = read_turn(f"<think>x</think>{call}", g, tokenizer=thinking_tokenizer, tools=None)
+    assert (turn.content, turn.reasoning, turn.calls) == (call, "x", [])  # no tools: no calls read
