@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-Core GPTModel weights for Llama- and Qwen2-style models (pure, no IO).
+"""Hugging Face <-> Megatron-Core GPTModel weights for Llama-, Qwen2/3- and Qwen3-MoE-style models (pure, no IO).
 
     HF (one layer i)                          Megatron-Core (decoder.layers.i.)
     self_attn.{q,k,v}_proj.weight/bias  <->   self_attention.linear_qkv.weight/bias   (grouped, below)
@@ -10,6 +10,14 @@
     post_attention_layernorm.weight     <->   pre_mlp_layernorm.weight               (local spec)
                                               mlp.linear_fc1.layer_norm_weight       (TE spec, fused)
     self_attn.{q,k}_norm.weight         <->   self_attention.{q,k}_layernorm.weight   (Qwen3)
+
+    Qwen3-MoE (every layer MoE; E experts; SequentialMLP experts, no grouped GEMM), instead of the MLP rows:
+    mlp.gate.weight [E, H]              <->   mlp.router.weight
+    mlp.experts.gate_up_proj [E, 2I, H] <->   mlp.experts.local_experts.e.linear_fc1.weight = gate_up_proj[e]
+                                              (already [gate; up], as HF's forward chunks it)
+    mlp.experts.down_proj [E, H, I]     <->   mlp.experts.local_experts.e.linear_fc2.weight = down_proj[e]
+    post_attention_layernorm.weight     <->   pre_mlp_layernorm.weight  (both specs: TE's MoE layer keeps the
+                                              MLP norm apart; the attention norm stays fused)
     model.embed_tokens / model.norm / lm_head <-> embedding.word_embeddings / decoder.final_layernorm / output_layer
 
 Tied models (tie_word_embeddings) have no output_layer on a stage that holds the embedding: Megatron
@@ -27,8 +35,11 @@ Every conversion only reshapes and concatenates, so HF -> Megatron -> HF is bit 
 
 Tensor parallelism: column-parallel weights (linear_qkv by whole groups, linear_fc1 as
 [gate shard; up shard], embeddings and output_layer by vocabulary rows) split on dim 0,
-row-parallel ones (linear_proj, linear_fc2) on dim 1, norms are replicated.
+row-parallel ones (linear_proj, linear_fc2) on dim 1, norms are replicated. Experts and the
+router are replicated too (expert_tensor_parallel_size 1: each TP rank holds whole experts).
 Pipeline parallelism: each stage holds consecutive layers, numbered from 0 on the stage.
+Expert parallelism: EP rank r holds each layer's experts r·E/ep .. (r+1)·E/ep - 1, numbered from 0 on
+the rank; every other tensor (the router included) is on every EP rank.
 """
 
 from __future__ import annotations
@@ -54,21 +65,34 @@ class Shape:
     """RMSNorm on each query and key head (Qwen3)."""
     vocab_size: int = 0
     """Embedding rows."""
+    num_experts: int = 0
+    """Experts per MoE layer (Qwen3-MoE); 0: a dense MLP. When > 0 every layer is MoE: mixed dense/MoE
+    stacks (mlp_only_layers, decoder_sparse_step != 1) are not converted."""
 
     @classmethod
     def of(cls, hf_config, fused_norms: bool = True) -> Shape:
-        """From a transformers LlamaConfig / Qwen2Config / Qwen3Config."""
+        """From a transformers LlamaConfig / Qwen2Config / Qwen3Config / Qwen3MoeConfig."""
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        moe = hf_config.model_type == "qwen3_moe"
+        if moe and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
+            raise ValueError("Qwen3-MoE dense layers (mlp_only_layers, decoder_sparse_step != 1) are not converted")
         return cls(hf_config.num_hidden_layers, heads, hf_config.num_key_value_heads or heads, head_dim, fused_norms,
-                   tied=bool(hf_config.tie_word_embeddings), qk_norm=hf_config.model_type == "qwen3",
-                   vocab_size=hf_config.vocab_size)
+                   tied=bool(hf_config.tie_word_embeddings), qk_norm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+                   vocab_size=hf_config.vocab_size, num_experts=hf_config.num_experts if moe else 0)
 
 
 def _norm_names(s: Shape) -> tuple[str, str]:
-    if s.fused_norms:
-        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
-    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    """TE fuses the attention norm into linear_qkv, and a dense MLP's into linear_fc1; a MoE layer's MLP
+    norm stays its own pre_mlp_layernorm (the experts' linear_fc1 are plain linears)."""
+    if not s.fused_norms:
+        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    return ("self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight" if s.num_experts else "mlp.linear_fc1.layer_norm_weight")
+
+
+def _expert(m: str, e: int) -> str:
+    return f"{m}mlp.experts.local_experts.{e}."
 
 
 def _qkv_to_megatron(q: Tensor, k: Tensor, v: Tensor, s: Shape) -> Tensor:
@@ -107,8 +131,16 @@ def hf_to_megatron(hf: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
         if s.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+        if s.num_experts:  # gate_up_proj[e] is already [gate; up], as linear_fc1 holds it
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
+            for e in range(s.num_experts):
+                out[_expert(m, e) + "linear_fc1.weight"] = gate_up[e]
+                out[_expert(m, e) + "linear_fc2.weight"] = down[e]
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
+                                                          hf[h + "mlp.up_proj.weight"]])
+            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
         out[m + attn_norm] = hf[h + "input_layernorm.weight"]
         out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"]
     return out
@@ -125,7 +157,8 @@ def megatron_to_hf(mc: dict[str, Tensor], s: Shape) -> dict[str, Tensor]:
 
 
 def _layer_to_hf(mc: dict[str, Tensor], s: Shape, m: str, h: str) -> dict[str, Tensor]:
-    """One decoder layer: attention (q, k, v each with its bias, o, the q/k norms), MLP, then the two norms."""
+    """One decoder layer: attention (q, k, v each with its bias, o, the q/k norms), MLP (dense: gate, up, down;
+    MoE: experts.gate_up_proj, experts.down_proj, then the router gate), then the two norms."""
     a, out = h + "self_attn.", {}
     q, k, v = _qkv_to_hf(mc[m + "self_attention.linear_qkv.weight"], s)
     biases = _qkv_to_hf(mc[m + "self_attention.linear_qkv.bias"], s) \
@@ -138,18 +171,34 @@ def _layer_to_hf(mc: dict[str, Tensor], s: Shape, m: str, h: str) -> dict[str, T
     if s.qk_norm:
         out[a + "q_norm.weight"] = mc[m + "self_attention.q_layernorm.weight"]
         out[a + "k_norm.weight"] = mc[m + "self_attention.k_layernorm.weight"]
-    gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2)
-    out |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
-            h + "mlp.down_proj.weight": mc[m + "mlp.linear_fc2.weight"]}
+    if s.num_experts:
+        experts = range(s.num_experts)
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack([mc[_expert(m, e) + "linear_fc1.weight"] for e in experts])
+        out[h + "mlp.experts.down_proj"] = torch.stack([mc[_expert(m, e) + "linear_fc2.weight"] for e in experts])
+        out[h + "mlp.gate.weight"] = mc[m + "mlp.router.weight"]
+    else:
+        gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2)
+        out |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+                h + "mlp.down_proj.weight": mc[m + "mlp.linear_fc2.weight"]}
     attn_norm, mlp_norm = _norm_names(s)
     out[h + "input_layernorm.weight"] = mc[m + attn_norm]
     out[h + "post_attention_layernorm.weight"] = mc[m + mlp_norm]
     return out
 
 
-# ---- tensor and pipeline parallel shards ------------------------------------------------------
+# ---- tensor, pipeline and expert parallel shards -----------------------------------------------
+
+EXPERT = re.compile(r"^(.+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
+
+
+def is_expert(name: str) -> bool:
+    """A Megatron name of one expert's weight: split over EP ranks, whole on each TP rank (the router is not)."""
+    return EXPERT.match(name) is not None
+
 
 def _kind(name: str) -> str:
+    if is_expert(name):  # whole experts on every TP rank (expert_tensor_parallel_size 1)
+        return "replicated"
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return "qkv"
     if name.endswith("linear_fc1.weight"):
@@ -238,4 +287,39 @@ def pp_merge(stages: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
                 continue
             m = LAYER.match(name)
             out[f"decoder.layers.{index * per + int(m.group(1))}.{m.group(2)}" if m else name] = t
+    return out
+
+
+def ep_split(mc: dict[str, Tensor], s: Shape, ep: int) -> list[dict[str, Tensor]]:
+    """One state per expert-parallel rank: rank r holds each layer's experts r·E/ep .. (r+1)·E/ep - 1,
+    renumbered from 0, and every non-expert tensor (router, attention, norms, embeddings)."""
+    if s.num_experts % ep:
+        raise ValueError(f"{s.num_experts} experts do not split over expert_model_parallel_size {ep}")
+    per = s.num_experts // ep
+    states: list[dict[str, Tensor]] = [{} for _ in range(ep)]
+    for name, t in mc.items():
+        if m := EXPERT.match(name):
+            e = int(m.group(2))
+            states[e // per][f"{m.group(1)}{e % per}.{m.group(3)}"] = t
+        else:
+            for state in states:
+                state[name] = t
+    return states
+
+
+def ep_merge(states: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
+    """The inverse of ep_split: experts numbered back to global, in rank order where rank 0's stood;
+    every other tensor from rank 0."""
+    per = s.num_experts // len(states)
+    experts: dict[str, dict[str, Tensor]] = {}  # per layer prefix, its global experts in rank order
+    for rank, state in enumerate(states):
+        for name, t in state.items():
+            if m := EXPERT.match(name):
+                experts.setdefault(m.group(1), {})[f"{m.group(1)}{rank * per + int(m.group(2))}.{m.group(3)}"] = t
+    out = {}
+    for name, t in states[0].items():
+        if m := EXPERT.match(name):
+            out |= experts.pop(m.group(1), {})
+        else:
+            out[name] = t
     return out

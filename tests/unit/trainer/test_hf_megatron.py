@@ -1,25 +1,29 @@
 """HF <-> Megatron-Core weight conversion: bit for bit both ways, the grouped QKV layout against a
-slow per-head reference, tensor/pipeline shards, the rollout's manifest (names, order, tied lm_head) of
-the same HF model (a real GPTModel's: test_megatron_build.py)."""
+slow per-head reference, Qwen3-MoE experts against a per-expert reference, tensor/pipeline/expert shards,
+the rollout's manifest (names, order, tied lm_head) of the same HF model (a real GPTModel's:
+test_megatron_build.py)."""
 
 import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from services.common.infra import free_port
 from services.common.weights.manifest import Manifest
 from services.rollout.engines.vllm import hf_manifest
-from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
-                                                   tp_merge, tp_split)
+from services.trainer.backends.hf_megatron import (Shape, ep_merge, ep_split, hf_to_megatron, is_expert,
+                                                   megatron_to_hf, pp_merge, pp_split, tp_merge, tp_split)
 
-ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def hf_model(arch: str, tied: bool = False, vocab_size: int = 48):
+def hf_model(arch: str, tied: bool = False, vocab_size: int = 48, **moe):
+    extra = MOE | moe if arch == "qwen3_moe" else {}
     config = ARCH[arch](vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied,
+                        **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     for p in model.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
@@ -34,7 +38,10 @@ def test_hf_to_megatron_and_back_is_bit_for_bit(arch, fused):
     hf = model.state_dict()
     shape = Shape.of(model.config, fused_norms=fused)
     mc = hf_to_megatron(hf, shape)
-    assert len(mc) < len(hf)  # q, k, v fused; gate, up fused
+    if shape.num_experts:  # one linear_fc1 and one linear_fc2 per expert and layer
+        assert sum(is_expert(n) for n in mc) == 2 * shape.num_experts * shape.num_layers
+    else:
+        assert len(mc) < len(hf)  # q, k, v fused; gate, up fused
     back = megatron_to_hf(mc, shape)
     assert list(back) == list(hf)
     for name, t in hf.items():
@@ -67,6 +74,50 @@ def test_qkv_layout_matches_the_per_head_reference():
     gate, up = hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
     assert torch.equal(mc["decoder.layers.1.mlp.linear_fc1.weight"][: gate.shape[0]], gate)
     assert torch.equal(mc["decoder.layers.1.mlp.linear_fc1.weight"][gate.shape[0]:], up)
+
+
+def test_moe_experts_match_the_per_expert_reference():
+    """Expert e's linear_fc1 is [gate_e; up_e] row by row, linear_fc2 its down_proj; Megatron's SwiGLU over
+    them (silu of the first half times the second) is HF's expert forward."""
+    model = hf_model("qwen3_moe")
+    hf, shape = model.state_dict(), Shape.of(model.config)
+    assert shape.num_experts == 4 and shape.qk_norm
+    mc = hf_to_megatron(hf, shape)
+    h, m, inter = "model.layers.1.mlp.", "decoder.layers.1.mlp.", model.config.moe_intermediate_size
+    gate_up, down = hf[h + "experts.gate_up_proj"], hf[h + "experts.down_proj"]
+    assert torch.equal(mc[m + "router.weight"], hf[h + "gate.weight"])
+    x = torch.randn(5, model.config.hidden_size)
+    for e in range(shape.num_experts):
+        gate_e = torch.stack([gate_up[e, r] for r in range(inter)])  # HF's forward chunks gate first
+        up_e = torch.stack([gate_up[e, inter + r] for r in range(inter)])
+        fc1, fc2 = (mc[m + f"experts.local_experts.{e}.linear_fc{k}.weight"] for k in (1, 2))
+        assert torch.equal(fc1, torch.cat([gate_e, up_e])) and torch.equal(fc2, down[e])
+        g, u = (x @ fc1.T).chunk(2, dim=-1)  # megatron.core.transformer.mlp: glu
+        routed = torch.full((5, 1), e), torch.ones(5, 1)
+        with torch.no_grad():
+            hf_out = model.model.layers[1].mlp.experts(x, *routed)
+        torch.testing.assert_close((torch.nn.functional.silu(g) * u) @ fc2.T, hf_out)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["te_spec", "local_spec"])
+def test_moe_layer_keeps_its_mlp_norm_apart_under_both_specs(fused):
+    """TE's MoE layer spec keeps pre_mlp_layernorm (gpt_layer_specs: backend.layer_norm() if num_experts); only the
+    attention norm is fused into linear_qkv."""
+    model = hf_model("qwen3_moe")
+    hf, shape = model.state_dict(), Shape.of(model.config, fused_norms=fused)
+    mc = hf_to_megatron(hf, shape)
+    for i in range(shape.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        assert torch.equal(mc[m + "pre_mlp_layernorm.weight"], hf[h + "post_attention_layernorm.weight"])
+        assert m + "mlp.linear_fc1.layer_norm_weight" not in mc and m + "mlp.linear_fc1.weight" not in mc
+        attn = "self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight"
+        assert torch.equal(mc[m + attn], hf[h + "input_layernorm.weight"])
+        assert (m + "input_layernorm.weight" in mc) is not fused
+
+
+def test_shape_refuses_qwen3_moe_with_dense_layers():
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        Shape.of(hf_model("qwen3_moe", mlp_only_layers=[1]).config)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -104,6 +155,86 @@ def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, tied):
     merged = pp_merge([tp_merge(s, shape) for s in shards], shape)
     assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
     assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
+
+
+def experts_of(state: dict, layer: int) -> dict[int, tuple]:
+    """Expert number -> (linear_fc1, linear_fc2) of one layer."""
+    p = f"decoder.layers.{layer}.mlp.experts.local_experts."
+    numbers = {int(n[len(p):].split(".")[0]) for n in state if n.startswith(p)}
+    return {j: (state[f"{p}{j}.linear_fc1.weight"], state[f"{p}{j}.linear_fc2.weight"]) for j in numbers}
+
+
+def test_tensor_parallel_split_keeps_experts_and_router_whole():
+    model = hf_model("qwen3_moe")
+    shape = Shape.of(model.config)
+    mc = hf_to_megatron(model.state_dict(), shape)
+    shards = tp_split(mc, shape, 2)
+    for shard in shards:
+        assert shard.keys() == mc.keys()
+        for name in mc:
+            if is_expert(name) or name.endswith("mlp.router.weight"):
+                assert torch.equal(shard[name], mc[name]), name
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"  # the rest still splits
+        assert shard[qkv].shape[0] == mc[qkv].shape[0] // 2
+    merged = tp_merge(shards, shape)
+    assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallel_ranks_hold_contiguous_expert_blocks_and_merge_back(ep):
+    model = hf_model("qwen3_moe")
+    shape = Shape.of(model.config)
+    mc = hf_to_megatron(model.state_dict(), shape)
+    states = ep_split(mc, shape, ep)
+    assert len(states) == ep
+    per = shape.num_experts // ep
+    for rank, state in enumerate(states):
+        for layer in range(shape.num_layers):
+            local, full = experts_of(state, layer), experts_of(mc, layer)
+            assert sorted(local) == list(range(per))
+            for j, (fc1, fc2) in local.items():  # EP rank r: global experts r·E/ep + j
+                assert torch.equal(fc1, full[rank * per + j][0]) and torch.equal(fc2, full[rank * per + j][1])
+        others = [n for n in mc if not is_expert(n)]
+        assert [n for n in state if not is_expert(n)] == others
+        assert all(torch.equal(state[n], mc[n]) for n in others)
+    merged = ep_merge(states, shape)
+    assert list(merged) == list(mc) and all(torch.equal(merged[n], t) for n, t in mc.items())
+    # The trainer gathers the experts alone over the EP group (the rest over the TP group).
+    experts = ep_merge([{n: t for n, t in state.items() if is_expert(n)} for state in states], shape)
+    assert list(experts) == [n for n in mc if is_expert(n)]
+    assert all(torch.equal(mc[n], t) for n, t in experts.items())
+    assert not any(is_expert(f"decoder.layers.0.mlp.{n}.weight") for n in ("router", "linear_fc1", "linear_fc2"))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pipeline_expert_and_tensor_shards_merge_back_bit_for_bit(tied):
+    model = hf_model("qwen3_moe", tied)
+    shape = Shape.of(model.config)
+    mc = hf_to_megatron(model.state_dict(), shape)
+    pp, ep, tp = 2, 2, 2
+    grid = [[tp_split(state, shape, tp) for state in ep_split(stage, shape, ep)]
+            for stage in pp_split(mc, shape, pp)]
+    # Stage 1, EP rank 1, TP rank 0: its layer 0 is global layer 2, its expert 0 global expert 2, whole.
+    fc1 = grid[1][1][0]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert torch.equal(fc1, mc["decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight"])
+    assert all(len(experts_of(shard, 0)) == shape.num_experts // ep
+               for stage in grid for rank in stage for shard in rank)
+    merged = pp_merge([ep_merge([tp_merge(shards, shape) for shards in stage], shape) for stage in grid], shape)
+    assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
+    assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
+
+
+def test_expert_parallel_split_refuses_experts_it_cannot_divide_and_passes_dense_states_whole():
+    moe = hf_model("qwen3_moe")
+    shape = Shape.of(moe.config)
+    with pytest.raises(ValueError, match="4 experts do not split over expert_model_parallel_size 3"):
+        ep_split(hf_to_megatron(moe.state_dict(), shape), shape, 3)
+    dense = hf_model("qwen3")
+    shape = Shape.of(dense.config)
+    mc = hf_to_megatron(dense.state_dict(), shape)
+    states = ep_split(mc, shape, 2)
+    assert len(states) == 2 and all(list(st) == list(mc) and all(st[n] is t for n, t in mc.items()) for st in states)
+    assert ep_merge(states, shape) == states[0]
 
 
 def test_tensor_parallel_split_refuses_a_vocabulary_it_cannot_divide():
