@@ -453,6 +453,37 @@ class MegatronConfig(Section):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
+    sequence_parallel: bool = False
+    """With tensor_model_parallel_size > 1, the norms, residuals and dropout run on each tensor-parallel rank's slice
+    of the sequence (the same math, less activation memory); at 1 there is nothing to split. Megatron-Core requires
+    it when experts and tensors are both split."""
+    expert_model_parallel_size: int = Field(1, gt=0)
+    """MoE models: each layer's experts split over this many ranks, whole experts on each (no expert tensor
+    parallelism); the number of experts must divide by it."""
+    freeze_moe_router: bool = True
+    """MoE models: the router's weights stay as loaded (NeMo RL's default for GRPO, whose recipes train the experts
+    and attention only)."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """MoE models: the router's logits and top-k softmax in this precision; None: the model's."""
+    moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    """MoE models: Megatron-Core's auxiliary load-balancing loss, added to the policy loss with
+    moe_aux_loss_coeff (none: NeMo RL's GRPO default)."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """MoE models: how tokens reach the ranks holding their experts (the same math either way)."""
+    moe_router_enable_expert_bias: bool = False
+    """A router bias for auxiliary-loss-free balancing: refused when the model has experts (the Hugging Face weights
+    rollout loads, Qwen3-MoE's, have no place for it, so rollout would route differently); dense models have no
+    router, and it changes nothing there."""
+
+    @model_validator(mode="after")
+    def _megatrons_own_rules(self) -> MegatronConfig:
+        if (self.enabled and self.expert_model_parallel_size > 1 and self.tensor_model_parallel_size > 1
+                and not self.sequence_parallel):
+            raise ValueError("expert_model_parallel_size and tensor_model_parallel_size both above 1 need "
+                             "sequence_parallel: true (Megatron-Core's MoE layers take each tensor-parallel rank's "
+                             "tokens to be its slice of the sequence; Megatron-LM refuses the combination too)")
+        return self
 
 
 class LoRAConfig(Section):

@@ -23,16 +23,11 @@ from services.common.nemo_rl_optim import megatron_optimizer, number, schedule
 from services.common.nemo_rl_rules import Rule, any_, get, is_, off, same_as, when
 
 M = "policy.megatron_cfg"
-DENSE = "Flywheel's Megatron backend builds dense GPT models (Llama and Qwen2 layouts): no experts"
 KERNEL = "a kernel or fusion choice: speed, not the math"
 
 
 def enabled(tree: dict) -> bool:
     return bool(get(tree, f"{M}.enabled", False))
-
-
-def _tp_is_1(v: Any, tree: dict) -> bool:
-    return not v or get(tree, f"{M}.tensor_model_parallel_size", 1) == 1
 
 
 def _with(parent: str) -> str:
@@ -50,16 +45,19 @@ INERT = (Rule(f"{M}.*", when(f"{M}.enabled", False),
 
 RULES: tuple[Rule, ...] = (
     Rule(f"{M}.context_parallel_size", is_(1), "context parallelism is not built"),
-    Rule(f"{M}.expert_model_parallel_size", is_(1), DENSE),
-    Rule(f"{M}.expert_tensor_parallel_size", lambda v, _: v in (1, None), DENSE),
-    Rule(f"{M}.moe_*", any_, "MoE settings; the backend builds dense models, which have no router or experts"),
-    Rule(f"{M}.freeze_moe_router", any_, "MoE settings; the backend builds dense models, which have no router"),
+    Rule(f"{M}.expert_tensor_parallel_size", lambda v, _: v in (1, None),
+         "each rank of expert_model_parallel_size holds whole experts: expert tensor parallelism is not built"),
+    Rule(f"{M}.moe_enable_deepep", is_(False), "DeepEP's dispatcher is not built (moe_token_dispatcher_type "
+         "alltoall or allgather)"),
+    Rule(f"{M}.moe_flex_dispatcher_backend", any_, _with("moe_token_dispatcher_type flex")),
+    Rule(f"{M}.moe_hybridep_num_sms", any_, _with("moe_token_dispatcher_type flex")),
+    Rule(f"{M}.moe_router_bias_update_rate", any_, _with("moe_router_enable_expert_bias")),
+    *(Rule(f"{M}.{k}", any_, KERNEL) for k in ("moe_permute_fusion", "moe_grouped_gemm", "moe_shared_expert_overlap")),
+    Rule(f"{M}.moe_per_layer_logging", any_, "a log"),
     Rule(f"{M}.num_layers_in_first_pipeline_stage", is_(None), "the backend splits layers evenly over stages"),
     Rule(f"{M}.num_layers_in_last_pipeline_stage", is_(None), "the backend splits layers evenly over stages"),
     Rule(f"{M}.pipeline_dtype", same_as("policy.precision"),
          "pipeline stages exchange activations at policy.precision"),
-    Rule(f"{M}.sequence_parallel", _tp_is_1, "the backend's tensor parallelism has no sequence parallelism; "
-         "at tensor_model_parallel_size 1 there is nothing to split"),
     Rule(f"{M}.recompute_granularity", lambda v, t: v == "full" or not get(t, "policy.activation_checkpointing"),
          "activation checkpointing (policy.activation_checkpointing) recomputes whole layers: full granularity"),
     Rule(f"{M}.recompute_modules", any_, _with("recompute_granularity selective")),

@@ -4,8 +4,9 @@ For each: the GPTModel's logits against the Hugging Face model it was converted 
 float32, so the conversion is what is compared), one training step, `full_state_dict` against the rollout's
 manifest, and a checkpoint: saved into a fresh step directory as the trainer does (checkpoint.py), then
 loaded back after a second step has moved the weights. Under bfloat16: the chunked logprobs, and a step. Sequence
-masking (grpo.seq_logprob_error_threshold) against the masks the HF model's logprobs give. megatron-core cannot
-run a forward pass on CPU, so nothing here runs on the CPU dry run.
+masking (grpo.seq_logprob_error_threshold) against the masks the HF model's logprobs give. Qwen3-MoE: megatron's
+router and experts against the HF model's logits, a step that trains the experts and not the frozen router.
+megatron-core cannot run a forward pass on CPU, so nothing here runs on the CPU dry run.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def teardown_megatron() -> None:
 
 
 def logits_gap(backend, cfg) -> tuple[float, float]:
-    """(max |Megatron - HF| over the logits of one batch, max |HF logits|)."""
+    """(max |Megatron - HF| over the logits of one batch, max |HF logits|). Megatron's logits are split over the
+    vocabulary under tensor parallelism: gathered first."""
     import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from services.common.modeling import load_policy
 
@@ -62,14 +65,16 @@ def logits_gap(backend, cfg) -> tuple[float, float]:
     with torch.no_grad():
         want = hf(input_ids=ids).logits.float()
         backend.model.eval()
-        got = backend.model(input_ids=ids, position_ids=None, attention_mask=None).float()
+        got = gather_from_tensor_model_parallel_region(
+            backend.model(input_ids=ids, position_ids=None, attention_mask=None)).float()
     assert got.shape == want.shape, (got.shape, want.shape)
     return (got - want).abs().max().item(), want.abs().max().item()
 
 
 def chunking_gap(backend) -> tuple[float, float]:
     """policy.logprob_chunk_size's chunks of megatron's vocab-parallel cross entropy against the whole sequence at
-    once, on the GPU: the largest difference in values, and in the logits' gradients (bfloat16, as the logits)."""
+    once, on the GPU: the largest difference in values, and in the logits' gradients (float32: Float16Module
+    upcasts the logits it returns unless asked not to, as the backend's own forward asks)."""
     import torch
 
     from services.trainer.backends.megatron_model import vocab_parallel_logprobs
@@ -184,3 +189,38 @@ def test_megatron_masks_the_samples_the_hf_models_logprobs_say_the_engine_got_wr
         assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0, metrics
     finally:
         teardown_megatron()
+
+
+def test_megatron_qwen3_moe_matches_hf_logits_and_steps_the_experts_not_the_frozen_router(figures):
+    """Qwen3-MoE at TP = PP = EP = 1 (expert and sequence parallelism need 2 GPUs): 8 experts, top 2 renormalised,
+    routed in float64 through megatron's alltoall dispatcher, as NeMo RL's Qwen3-30B-A3B recipes ask."""
+    need_megatron()
+    try:
+        figures.update(moe_logits_and_step(build(moe_config()), moe_config(), rank=0))
+    finally:
+        teardown_megatron()
+
+
+def moe_config(*parallel: str):
+    from trainer_harness import config
+
+    return config(*overrides(SHAPE, tied=False), "policy.tiny.architecture=qwen3_moe", "policy.tiny.num_experts=8",
+                  "policy.hf_config_overrides.norm_topk_prob=true", "policy.megatron_cfg.enabled=true",
+                  "policy.megatron_cfg.moe_router_dtype=fp64", "policy.max_total_sequence_length=64", *parallel)
+
+
+def moe_logits_and_step(backend, cfg, rank: int) -> dict:
+    """The MoE model's logits against HF's, then one step: the experts move, the frozen router does not (the
+    weights as rollout gets them, on rank 0)."""
+    import torch
+
+    gap, scale = logits_gap(backend, cfg)
+    assert gap <= 1e-3 * max(1.0, scale), f"Megatron MoE logits differ from HF's by {gap} (scale {scale})"
+    before = check_manifest(backend, cfg, tied=False) if rank == 0 else backend.full_state_dict()
+    metrics = step(backend, cfg)
+    after = backend.full_state_dict()
+    if rank == 0:
+        router, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"
+        assert torch.equal(after[router], before[router]), "the frozen router moved"
+        assert not torch.equal(after[experts], before[experts]), "the step did not train the experts"
+    return dict(logits_max_abs_diff=gap, logits_max_abs=scale, step1=metrics)

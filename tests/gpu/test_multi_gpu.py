@@ -144,6 +144,24 @@ def test_megatron_tensor_parallel_2_matches_hf_logits_and_steps():
     run_ranks(2, _megatron_tp2_rank)
 
 
+def _megatron_moe_rank(rank: int) -> None:
+    from test_megatron_gpu import build, moe_config, moe_logits_and_step
+
+    cfg = moe_config("policy.megatron_cfg.tensor_model_parallel_size=2",
+                     "policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true")
+    moe_logits_and_step(build(cfg), cfg, rank)
+
+
+def test_megatron_qwen3_moe_at_tp_2_ep_2_with_sequence_parallelism_matches_hf_logits_and_steps():
+    """Each GPU holds half the experts of every layer and half of every dense weight, and a half of each sequence
+    between the attention and MLP blocks."""
+    from trainer_harness import run_ranks
+
+    need_gpus(2)
+    need_module("megatron", "bring megatron-core's wheel (tests/gpu/README.md)")
+    run_ranks(2, _megatron_moe_rank)
+
+
 def test_nccl_trainer_to_vllm_rollout_trains_5_steps(tmp_path, figures):
     """The GPU path users take: FSDP2 trainer on one GPU, a vLLM worker on another, weights over NCCL."""
     need_module("vllm", VLLM_WHY)

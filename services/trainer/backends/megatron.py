@@ -1,4 +1,4 @@
-"""The Megatron-Core backend (policy.megatron_cfg.enabled): tensor and pipeline parallel GPTModel.
+"""The Megatron-Core backend (policy.megatron_cfg.enabled): tensor, pipeline, sequence and expert parallel GPTModel.
 
 megatron-core 0.16.1 needs CUDA for a forward pass. What runs on CPU is tested there: the weight conversion
 (hf_megatron.py, bit for bit, and in the rollout manifest's order, tied and untied), building the model
@@ -6,11 +6,13 @@ megatron-core 0.16.1 needs CUDA for a forward pass. What runs on CPU is tested t
 gathered back), its checkpoint directory, and the chunked vocab-parallel logprobs. The schedule and per-group
 weight decay are tested on megatron-core's own param groups (tests/unit/trainer/test_megatron_schedule.py). On one
 H100 (docs/gpu.md) the GPU check ran TP = PP = 1: logits against the HF model, a step, the manifest, a checkpoint
-saved and loaded, float32 and bfloat16. TP or PP > 1 on GPUs, the gathers on NCCL, and the sequence masking's
-forward (grpo.seq_logprob_error_threshold) have not executed; the GPU check holds them for the next GPU run.
+saved and loaded, float32 and bfloat16. TP or PP > 1 on GPUs, the gathers on NCCL, the sequence masking's
+forward (grpo.seq_logprob_error_threshold), Qwen3-MoE (its router and experts, expert and sequence parallelism)
+have not executed; the GPU check holds them for the next GPU run (EP and SP need 2 GPUs).
 
-Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel). The HF weights
-are loaded on CPU, converted, and each rank keeps its pipeline stage's tensor shard. Loss and
+Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel); a MoE layer's experts are split
+over expert_model_parallel_size ranks of the data-parallel x tensor grid. The HF weights are loaded on CPU,
+converted, and each rank keeps its pipeline stage's experts and tensor shard. Loss and
 normalisation are the FSDP2 backend's: clipped_pg_loss with the step's global counts; the
 schedule divides each micro-batch loss by the number of micro-batches and DDP averages over
 data-parallel ranks, so the loss is multiplied by both to make them sums.
@@ -18,7 +20,6 @@ data-parallel ranks, so the loss is multiplied by both to make them sums.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from services.common.config import FlywheelConfig
 from services.common.modeling import load_policy
 from services.trainer.algorithms import LossInputs, clipped_pg_loss
+from services.trainer.algorithms.metrics import combine_metrics
 from services.trainer.backends import TrainingBackend
 from services.trainer.backends.hf_megatron import Shape
 from services.trainer.backends.megatron_model import build_gpt, gather_hf, te_available, vocab_parallel_logprobs
@@ -47,7 +49,10 @@ class MegatronBackend(TrainingBackend):
 
         m = cfg.policy.megatron_cfg
         self.cfg, self.rank, self.world = cfg, info.rank, info.world
-        ps.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
+        # Whole experts on each rank (megatron's default would split them over the tensor-parallel ranks too)
+        ps.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                     expert_model_parallel_size=m.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
         self.ps, self.tp, self.pp = ps, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         hf, self.tokenizer = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed)
@@ -82,15 +87,21 @@ class MegatronBackend(TrainingBackend):
     def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of, forward_only: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # Float16Module's logits stay in the compute dtype: vocab_parallel_logprobs upcasts a chunk at a time.
+        half = dict(fp32_output=False) if self.tconfig.bf16 or self.tconfig.fp16 else {}
+        length = batch.input_ids.shape[1]
+        padded = sequence_parallel_length(length, self.tp if self.tconfig.sequence_parallel else 1)
+
         def step(iterator, model):
             mb = next(iterator)
-            ids = batch.input_ids[mb].cuda()
-            logits = model(input_ids=ids, position_ids=None, attention_mask=None)
-            return logits, partial(loss_of, mb)
+            ids = torch.nn.functional.pad(batch.input_ids[mb], (0, padded - length)).cuda()
+            logits = model(input_ids=ids, position_ids=None, attention_mask=None, **half)
+            # Causal attention: the padding at the end changes no earlier position, and its logits are dropped.
+            return logits, lambda out: loss_of(mb, out[:, :length])
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
-            seq_length=batch.input_ids.shape[1], micro_batch_size=max(map(len, rows)), forward_only=forward_only)
+            seq_length=padded, micro_batch_size=max(map(len, rows)), forward_only=forward_only)
 
     def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
         p = self.cfg.policy
@@ -120,11 +131,29 @@ class MegatronBackend(TrainingBackend):
         self.optimizer.zero_grad()
         reports = self._run(b, rows, loss_of)
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
+        metrics = self._step_metrics(reports)
         metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"]}
         for s in self.schedulers:  # once per trainer step, after it, as the FSDP2 backend and NeMo RL step it
             s.step()
         return metrics | masking
+
+    def _step_metrics(self, reports: list[dict[str, float]]) -> dict[str, float]:
+        """The loss's metrics of the whole step, the same on every rank: the schedule returns each micro-batch's on
+        the last pipeline stage only ({} elsewhere), so they are combined there (sums added, extremes kept) over
+        the micro-batches and the data-parallel ranks, then sent to the other stages."""
+        import torch.distributed as dist
+
+        ps, out = self.ps, {}
+        parts: list[dict[str, float]] = [{} for _ in range(ps.get_data_parallel_world_size())]
+        dist.all_gather_object(parts, reports, group=ps.get_data_parallel_group())
+        for part in (report for rank in parts for report in rank):
+            out = combine_metrics(out, part)
+        if self.pp > 1:
+            box = [out]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            out = box[0]
+        return out
 
     def _mask_by_sequence_error(self, b: TrainBatch, rows: list[list[int]]) -> tuple[TrainBatch, dict[str, float]]:
         """grpo.seq_logprob_error_threshold: the batch with the samples the engine got wrong out of the loss, the same
@@ -147,8 +176,10 @@ class MegatronBackend(TrainingBackend):
             out[mb_rows] = logprobs
             return logprobs.sum() * 0, {}
 
+        self.model.eval()  # no dropout (policy.hf_config_overrides may set some), no recompute
         with torch.no_grad():
             self._run(b, rows, keep, forward_only=True)
+        self.model.train()
         torch.distributed.all_reduce(out, group=ps.get_data_parallel_group())
         if self.pp > 1:
             torch.distributed.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
@@ -229,13 +260,23 @@ def restore(optimizers: list[Optimizer], schedulers: list[LRScheduler], states: 
             g["lr"] = lr
 
 
+def sequence_parallel_length(length: int, tp: int) -> int:
+    """`length` rounded up to a multiple of `tp`: sequence parallelism gives each tensor-parallel rank an equal
+    slice of every sequence (NeMo RL's make_sequence_length_divisible_by)."""
+    return -(-length // tp) * tp
+
+
 def micro_batches(n: int, dp_rank: int, dp: int, size: int, pp: int) -> list[list[int]]:
-    """This data-parallel rank's rows of an n-row batch (every dp-th), in micro-batches of `size` rows. With
-    pipeline stages every micro-batch must hold `size` rows: the schedule sends activations of that fixed shape."""
-    mine = list(range(dp_rank, n, dp))
-    if pp > 1 and len(mine) % size:
+    """This data-parallel rank's rows of an n-row batch (every dp-th), in micro-batches of `size` rows. Every rank
+    needs rows (the schedule runs at least one micro-batch, and the others wait in its collectives); with pipeline
+    stages every micro-batch must hold `size` rows: the schedule sends activations of that fixed shape. Both are
+    checked on the batch's shape, not this rank's share, so that every rank refuses it, none waiting on another."""
+    if n < dp:
+        raise ValueError(f"a batch of {n} rows cannot give each of {dp} data-parallel ranks a row")
+    if pp > 1 and n % (dp * size):
         raise ValueError(f"pipeline_model_parallel_size {pp} needs micro-batches of exactly train_micro_batch_size "
-                         f"{size} rows; this data-parallel rank has {len(mine)} of the batch's {n}")
+                         f"{size} rows on each of {dp} data-parallel ranks: a batch of {n} rows does not divide")
+    mine = list(range(dp_rank, n, dp))
     return [mine[i:i + size] for i in range(0, len(mine), size)]
 
 

@@ -1,10 +1,16 @@
-"""Build the Megatron-Core GPTModel of a Hugging Face Llama / Qwen2 / Qwen3 policy (megatron-core 0.16).
+"""Build the Megatron-Core GPTModel of a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE policy (megatron-core 0.16).
 
-    HF config + policy ──transformer_config──▶ TransformerConfig (dims, dropout, dtypes, TP/PP)
-    layer_spec: Transformer Engine's modules when transformer_engine imports, else Megatron-Core's own
-    build_gpt: GPTModel for this rank's pipeline stage ◀── its TP/PP shard of the HF weights (hf_megatron.py)
+    HF config + policy ──transformer_config──▶ TransformerConfig (dims, dropout, dtypes, TP/PP/EP, routing)
+    layer_spec: Transformer Engine's modules when transformer_engine imports, else Megatron-Core's own (with a
+                norm that takes sequence parallelism, which megatron's torch norm refuses)
+    build_gpt: GPTModel for this rank's pipeline stage ◀── its PP/EP/TP shard of the HF weights (hf_megatron.py)
                └─ Float16Module around it under bf16/fp16, as Megatron-LM's training does
     gather_hf: every rank's shard ──▶ the HF state dict in the rollout manifest's order
+
+Qwen3-MoE's routing in Megatron-Core's terms: softmax over every expert then the top k, renormalised when the HF
+config says norm_topk_prob, equals megatron's top k of the logits then softmax over those k
+(moe_router_pre_softmax false); without renormalisation it is megatron's pre-softmax routing. Experts are
+SequentialMLPs (one MLP per expert, no grouped GEMM), so the state dict keeps one linear_fc1/fc2 per expert.
 
 Everything here runs on CPU as well (`cpu=True`: use_cpu_initialization) with gloo process groups, and is tested
 there (tests/unit/trainer/test_megatron_build.py); the forward pass and the DDP wrapper need CUDA.
@@ -17,11 +23,11 @@ import logging
 import torch
 
 from services.common.config import MegatronConfig, PolicyConfig
-from services.trainer.backends.hf_megatron import (Shape, hf_to_megatron, megatron_to_hf, pp_merge, pp_split,
-                                                   tp_merge, tp_split)
+from services.trainer.backends.hf_megatron import (Shape, ep_merge, ep_split, hf_to_megatron, is_expert,
+                                                   megatron_to_hf, pp_merge, pp_split, tp_merge, tp_split)
 
 log = logging.getLogger("flywheel.trainer.megatron")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def te_available() -> bool:
@@ -44,13 +50,48 @@ def te_only(m: MegatronConfig) -> list[str]:
     return reasons
 
 
-def layer_spec(te: bool, qk_norm: bool):
-    """The decoder layer's modules; the TE spec fuses the two RMSNorms into linear_qkv and linear_fc1."""
+def layer_spec(te: bool, tconfig):
+    """The decoder's modules: the TE spec fuses the RMSNorms into linear_qkv and a dense linear_fc1; the local spec
+    keeps them apart (torch's RMSNorm, or SequenceParallelRMSNorm under sequence parallelism). MoE layers get
+    Megatron-Core's router and SequentialMLP experts."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    experts = dict(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tconfig.qk_layernorm)
     if te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(**experts)
+    layer = specs.get_gpt_layer_local_spec(**experts, normalization="RMSNorm")
+    if not tconfig.sequence_parallel:
+        return layer
+    # The final norm too: megatron picks the block's from what is installed, which here is its torch norm.
+    return TransformerBlockSubmodules(layer_specs=[_replace_norm(layer)] * get_num_layers_to_build(tconfig),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as megatron builds its norms, for sequence parallelism: it normalises each position
+    on its own, so a slice of the sequence is as good as the whole, but each tensor-parallel rank then sees only its
+    slice's gradient. The `sequence_parallel` mark has finalize_model_grads sum the weight's gradient over the
+    tensor-parallel group, as megatron's apex and TE norms are marked; its torch norm refuses sequence parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _replace_norm(spec):
+    """`spec` with every megatron WrappedTorchNorm (the local spec's norms, q/k norms included) replaced by
+    SequenceParallelRMSNorm."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelRMSNorm
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _replace_norm(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
 
 
 def check_architecture(c) -> None:
@@ -60,6 +101,7 @@ def check_architecture(c) -> None:
     if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
         raise ValueError("Llama with attention_bias or mlp_bias: o_proj and MLP biases have no place in the "
                          "Megatron GPTModel built here (add_bias_linear=False)")
+    Shape.of(c)  # refuses Qwen3-MoE with dense layers among the MoE ones
     rope_kwargs(c)
 
 
@@ -93,6 +135,13 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
     fusion = bool(getattr(m, "apply_rope_fusion", False))
     if fusion and not te:
         log.warning("megatron_cfg.apply_rope_fusion needs Transformer Engine, which is not installed: unfused RoPE")
+    moe = dict(num_moe_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+               moe_ffn_hidden_size=c.moe_intermediate_size, moe_router_pre_softmax=not c.norm_topk_prob,
+               moe_grouped_gemm=False, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+               moe_router_dtype=m.moe_router_dtype, moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+               moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+               expert_model_parallel_size=m.expert_model_parallel_size, expert_tensor_parallel_size=1
+               ) if s.num_experts else {}
     return TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
         num_attention_heads=s.num_heads, num_query_groups=s.num_kv_heads, kv_channels=s.head_dim,
@@ -103,8 +152,9 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
         hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)), apply_rope_fusion=fusion and te,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=cpu, **recompute(policy.activation_checkpointing))
+        use_cpu_initialization=cpu, **recompute(policy.activation_checkpointing), **moe)
 
 
 def recompute(on: bool) -> dict:
@@ -126,9 +176,12 @@ def build_gpt(hf, policy: PolicyConfig, cpu: bool = False) -> tuple[torch.nn.Mod
     if refused := te_only(policy.megatron_cfg):
         raise ValueError("policy.megatron_cfg asks for what only Transformer Engine provides, which this backend "
                          "does not build: " + "; ".join(refused))
+    if policy.megatron_cfg.moe_router_enable_expert_bias and Shape.of(c).num_experts:
+        raise ValueError("policy.megatron_cfg.moe_router_enable_expert_bias: the Hugging Face weights rollout loads "
+                         f"({c.model_type}) have no router bias, so rollout would route differently")
     te = te_available()
     tconfig = transformer_config(c, policy, te, cpu)
-    gpt = GPTModel(config=tconfig, transformer_layer_spec=layer_spec(te, Shape.of(c).qk_norm),
+    gpt = GPTModel(config=tconfig, transformer_layer_spec=layer_spec(te, tconfig),
                    vocab_size=c.vocab_size, max_sequence_length=policy.max_total_sequence_length,
                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                    share_embeddings_and_output_weights=bool(c.tie_word_embeddings), position_embedding_type="rope",
@@ -136,33 +189,45 @@ def build_gpt(hf, policy: PolicyConfig, cpu: bool = False) -> tuple[torch.nn.Mod
     if not cpu:  # as Megatron-LM's get_model does: the local spec's norms (torch.nn.RMSNorm) are built on the host
         gpt.cuda(torch.cuda.current_device())
     load_shard(gpt, hf.state_dict(), Shape.of(c, fused_norms=te))
+    if policy.megatron_cfg.freeze_moe_router:  # before DDP and the optimizer, which take what requires grad
+        for name, weight in gpt.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                weight.requires_grad_(False)
     module = Float16Module(tconfig, gpt) if tconfig.bf16 or tconfig.fp16 else gpt
     return module, gpt
 
 
 def load_shard(gpt: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: Shape) -> None:
-    """Copy this rank's pipeline stage and tensor shard of the HF weights into `gpt` (cast to its dtype)."""
+    """Copy this rank's pipeline stage, experts and tensor shard of the HF weights into `gpt` (cast to its dtype)."""
     from megatron.core import parallel_state as ps
 
     stages = pp_split(hf_to_megatron(hf_state, shape), shape, ps.get_pipeline_model_parallel_world_size())
-    shards = tp_split(stages[ps.get_pipeline_model_parallel_rank()], shape, ps.get_tensor_model_parallel_world_size())
+    experts = ep_split(stages[ps.get_pipeline_model_parallel_rank()], shape, ps.get_expert_model_parallel_world_size())
+    shards = tp_split(experts[ps.get_expert_model_parallel_rank()], shape, ps.get_tensor_model_parallel_world_size())
     missing, unexpected = gpt.load_state_dict(shards[ps.get_tensor_model_parallel_rank()], strict=False)
     if unexpected or any(not n.endswith("_extra_state") for n in missing):
         raise RuntimeError(f"HF -> Megatron weights do not fit: missing {missing}, unexpected {unexpected}")
 
 
 def gather_hf(gpt: torch.nn.Module, shape: Shape) -> dict[str, torch.Tensor]:
-    """Collective over this rank's tensor and pipeline groups: every shard of `gpt`, as HF weights (on the host,
-    names in HF's order), on the first rank of the pipeline group; {} elsewhere."""
+    """Collective over this rank's tensor, expert and pipeline groups: every shard of `gpt`, as HF weights (on the
+    host, names in HF's order), on the first rank of the pipeline group; {} elsewhere. The tensor group merges
+    the dense weights (a tensor group's ranks may hold different experts), the expert group the experts (whole on
+    each rank), then the pipeline group the stages."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     local = {k: v.detach().cpu() for k, v in gpt.state_dict().items()
              if v is not None and not k.endswith("_extra_state")}
+    dense = {k: v for k, v in local.items() if not is_expert(k)}
     shards = [None] * ps.get_tensor_model_parallel_world_size()
-    dist.all_gather_object(shards, local, group=ps.get_tensor_model_parallel_group())
+    dist.all_gather_object(shards, dense, group=ps.get_tensor_model_parallel_group())
+    experts = [None] * ps.get_expert_model_parallel_world_size()
+    dist.all_gather_object(experts, {k: v for k, v in local.items() if is_expert(k)},
+                           group=ps.get_expert_model_parallel_group())
+    stage = tp_merge(shards, shape) | ep_merge(experts, shape)
     stages = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, tp_merge(shards, shape), group=ps.get_pipeline_model_parallel_group())
+    dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
     if ps.get_pipeline_model_parallel_rank() or ps.get_tensor_model_parallel_rank():
         return {}
     return megatron_to_hf(pp_merge(stages, shape), shape)

@@ -34,7 +34,12 @@ def test_megatron_workers_env_vars_go_to_the_trainer_and_dtensors_stay_inert():
 
 @pytest.mark.parametrize("override, reason", [
     ("policy.megatron_cfg.context_parallel_size=2", "context parallelism is not built"),
-    ("policy.megatron_cfg.expert_model_parallel_size=8", "dense GPT models"),
+    ("policy.megatron_cfg.expert_tensor_parallel_size=2", "expert tensor parallelism is not built"),
+    ("policy.megatron_cfg.moe_enable_deepep=true", "DeepEP's dispatcher is not built"),
+    ("policy.megatron_cfg.moe_token_dispatcher_type=flex", "'alltoall' or 'allgather'"),
+    ("policy.megatron_cfg.expert_model_parallel_size=0", "greater than 0"),
+    (["policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.tensor_model_parallel_size=2"],
+     "need sequence_parallel: true"),
     ("policy.megatron_cfg.fp8_cfg.enabled=true", "FP8 training is not built"),
     ("policy.megatron_cfg.scheduler.end_weight_decay=0.0", "a weight-decay schedule is not built"),
     ("policy.megatron_cfg.pipeline_dtype=float32", "at policy.precision"),
@@ -43,10 +48,22 @@ def test_megatron_workers_env_vars_go_to_the_trainer_and_dtensors_stay_inert():
 ])
 def test_a_megatron_key_the_backend_does_not_run_is_refused_with_its_own_reason(override, reason):
     with pytest.raises(ConfigError) as err:
-        load_config(MEGATRON, [*EDITS, override])
+        load_config(MEGATRON, [*EDITS, *([override] if isinstance(override, str) else override)])
     lines = str(err.value).splitlines()
     assert len(lines) == 1 and reason in lines[0], lines
     assert "megatron_cfg.enabled is false" not in lines[0]
+
+
+def test_the_moe_keys_of_nemo_rls_qwen3_30b_a3b_recipe_reach_the_backends_config():
+    """grpo_math_qwen30ba3b_megatron.yaml: TP 2, EP 8, sequence parallel, and the base file's MoE keys (router
+    frozen, in float64, no load-balancing loss, alltoall); the kernel choices are noted, not kept."""
+    cfg, notes = load(CONFIGS / "grpo_math_qwen30ba3b_megatron.yaml", EDITS)
+    m = cfg.policy.megatron_cfg
+    assert (m.tensor_model_parallel_size, m.expert_model_parallel_size, m.sequence_parallel) == (2, 8, True)
+    assert (m.freeze_moe_router, m.moe_router_dtype, m.moe_router_load_balancing_type, m.moe_token_dispatcher_type
+            ) == (True, "fp64", "none", "alltoall")
+    keys = {key for key, _ in notes}
+    assert {"policy.megatron_cfg.moe_permute_fusion", "policy.megatron_cfg.moe_router_bias_update_rate"} <= keys
 
 
 def test_megatron_keys_stay_inert_while_it_is_disabled_and_the_dtensor_keys_while_it_is_enabled():

@@ -6,6 +6,7 @@ pass, the training step and megatron-core's sharded save need CUDA (tests/gpu/).
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from services.common.modeling import load_policy  # noqa: E402
 from services.common.weights.manifest import Manifest  # noqa: E402
 from services.rollout.engines.vllm import hf_manifest  # noqa: E402
 from services.trainer.backends.hf_megatron import Shape, megatron_to_hf  # noqa: E402
-from services.trainer.backends.megatron import make_checkpoint_dir, micro_batches  # noqa: E402
+from services.trainer.backends.megatron import MegatronBackend, make_checkpoint_dir, micro_batches  # noqa: E402
 from services.trainer.backends.megatron_model import (build_gpt, check_architecture, gather_hf,  # noqa: E402
                                                       rope_kwargs, te_available, vocab_parallel_logprobs)
 
@@ -161,11 +162,111 @@ def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_c
     assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
 
 
-def test_micro_batches_split_each_data_parallel_ranks_rows_and_pipelines_refuse_a_short_one():
+def moe_policy(*overrides: str):
+    """Qwen3-MoE; megatron's alltoall dispatcher makes a CUDA stream when it is built, so allgather here."""
+    return policy("policy.tiny.architecture=qwen3_moe", "policy.megatron_cfg.moe_token_dispatcher_type=allgather",
+                  *overrides)
+
+
+@pytest.mark.parametrize("norm_topk_prob,freeze", [(False, True), (True, False)], ids=["pre_softmax", "top_k_first"])
+def test_a_qwen3_moe_policy_builds_megatrons_router_and_experts_and_gives_every_weight_back(one_rank, norm_topk_prob,
+                                                                                              freeze):
+    p = moe_policy(f"policy.hf_config_overrides.norm_topk_prob={norm_topk_prob}",
+                   "policy.megatron_cfg.moe_router_dtype=fp64", f"policy.megatron_cfg.freeze_moe_router={freeze}")
+    hf = hf_model(p)
+    _, gpt = build_gpt(hf, p, cpu=True)
+    c, layer = gpt.config, gpt.decoder.layers[0]
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_router_dtype) == (
+        hf.config.num_experts, hf.config.num_experts_per_tok, hf.config.moe_intermediate_size, "fp64")
+    # HF: softmax over all experts, top k, renormalised if norm_topk_prob; megatron without pre-softmax: top k of
+    # the logits, softmax over those k, which is the renormalised one
+    assert c.moe_router_pre_softmax is not norm_topk_prob
+    assert type(layer.mlp).__name__ == "MoELayer" and type(layer.mlp.experts).__name__ == "SequentialMLP"
+    assert len(layer.mlp.experts.local_experts) == hf.config.num_experts
+    routers = [w for n, w in gpt.named_parameters() if n.endswith("mlp.router.weight")]
+    assert len(routers) == hf.config.num_hidden_layers and all(w.requires_grad is not freeze for w in routers)
+    back = megatron_to_hf({n: t for n, t in gpt.state_dict().items() if t is not None}, Shape.of(hf.config, False))
+    assert Manifest.of(back) == hf_manifest(hf)
+    assert all(torch.equal(back[n], t) for n, t in hf.state_dict().items())
+
+
+def test_a_router_bias_is_refused_for_a_moe_model_and_changes_nothing_for_a_dense_one(one_rank):
+    p = moe_policy("policy.megatron_cfg.moe_router_enable_expert_bias=true")
+    with pytest.raises(ValueError, match="moe_router_enable_expert_bias: .* \\(qwen3_moe\\) have no router bias"):
+        build_gpt(hf_model(p), p, cpu=True)
+    p = policy("policy.megatron_cfg.moe_router_enable_expert_bias=true")
+    build_gpt(hf_model(p), p, cpu=True)
+
+
+def _moe_ranks(rank: int, hf_state: dict, out: str) -> None:
+    """TP 2 x EP 2 with sequence parallelism over 4 ranks: the experts each holds, its norms, the gathered weights;
+    then the same ranks as PP 2 x DP 2 for the step's metrics."""
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    p = moe_parallel_policy()
+    hf = hf_model(p)
+    hf.load_state_dict(hf_state)
+    _, gpt = build_gpt(hf, p, cpu=True)
+    norms = {n: (type(m).__name__, getattr(m.weight, "sequence_parallel", None)) for n, m in gpt.named_modules()
+             if isinstance(m, torch.nn.RMSNorm)}
+    info = dict(ep=parallel_state.get_expert_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank(),
+                tp_group=dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),
+                experts=[e.linear_fc1.weight.detach() for e in gpt.decoder.layers[1].mlp.experts.local_experts],
+                norms=norms, sequence_parallel=gpt.config.sequence_parallel)
+    infos = [None] * 4
+    dist.all_gather_object(infos, info)
+    back = gather_hf(gpt, Shape.of(hf.config, False))
+    assert (back == {}) is (info["tp"] != 0)  # the first tensor-parallel rank of each data-parallel replica
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)
+    last, dp_rank = parallel_state.is_pipeline_last_stage(), parallel_state.get_data_parallel_rank()
+    reports = [{"loss": 1.0 + dp_rank, "probs_ratio_min": 0.5 + dp_rank, "probs_ratio_max": 2.0 + dp_rank},
+               {"loss": 10.0, "probs_ratio_min": 0.9, "probs_ratio_max": 1.1}] if last else []  # the schedule's
+    metrics = [None] * 4
+    dist.all_gather_object(metrics, MegatronBackend._step_metrics(SimpleNamespace(ps=parallel_state, pp=2), reports))
+    if rank == 0:
+        torch.save({"back": back, "infos": infos, "metrics": metrics}, out)
+
+
+def moe_parallel_policy():
+    return moe_policy("policy.precision=bfloat16", "policy.tiny.num_hidden_layers=2",
+                      "policy.tiny.num_attention_heads=4", "policy.megatron_cfg.tensor_model_parallel_size=2",
+                      "policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true")
+
+
+def test_four_gloo_ranks_split_experts_and_tensors_with_sequence_parallel_norms_and_give_every_weight_back(tmp_path):
+    hf = hf_model(moe_parallel_policy())
+    run_ranks(4, _moe_ranks, hf.state_dict(), str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt")
+    infos, hf = got["infos"], hf.to(torch.bfloat16)  # as the bf16 GPTModel holds it
+    # the case gather_hf must get right: megatron puts the two expert blocks in each tensor-parallel group
+    assert all(len({infos[r]["ep"] for r in i["tp_group"]}) == 2 for i in infos)
+    per = hf.config.num_experts // 2
+    gate_up = hf.model.layers[1].mlp.experts.gate_up_proj
+    for i in infos:  # whole experts, the EP rank's block of them
+        assert len(i["experts"]) == per
+        for j, weight in enumerate(i["experts"]):
+            assert torch.equal(weight, gate_up[i["ep"] * per + j])
+    for i in infos:  # every norm, the final one and the q/k ones included, sums its gradient over the TP group
+        assert i["sequence_parallel"] and i["norms"] and set(i["norms"].values()) == {("SequenceParallelRMSNorm", True)}
+        assert "decoder.final_layernorm" in i["norms"] and "decoder.layers.0.self_attention.q_layernorm" in i["norms"]
+    assert Manifest.of(got["back"]) == hf_manifest(hf)
+    assert all(torch.equal(got["back"][n], t) for n, t in hf.state_dict().items())
+    # the step's metrics, from the last stage's micro-batches of both data-parallel ranks, on every rank
+    assert got["metrics"] == [{"loss": 23.0, "probs_ratio_min": 0.5, "probs_ratio_max": 3.0}] * 4
+
+
+def test_micro_batches_split_each_data_parallel_ranks_rows_and_every_rank_refuses_a_batch_one_cannot_take():
     assert micro_batches(10, 1, 2, 2, pp=1) == [[1, 3], [5, 7], [9]]
     assert micro_batches(8, 0, 2, 2, pp=2) == [[0, 2], [4, 6]]
-    with pytest.raises(ValueError, match="exactly train_micro_batch_size 2 rows; .* has 5 of the batch's 10"):
-        micro_batches(10, 1, 2, 2, pp=2)
+    # 6 rows over 4 ranks at PP 2: ranks 0 and 1 would have a full micro-batch, 2 and 3 a short one. Each must
+    # refuse, or those that went on would wait in the schedule's collectives for those that stopped.
+    for rank in range(4):
+        with pytest.raises(ValueError, match="exactly train_micro_batch_size 2 rows on each of 4 .* 6 rows"):
+            micro_batches(6, rank, 4, 2, pp=2)
+    for rank in range(2):  # one row for two ranks: the second would have none, and the schedule needs one
+        with pytest.raises(ValueError, match="a batch of 1 rows cannot give each of 2"):
+            micro_batches(1, rank, 2, 1, pp=1)
 
 
 def test_what_the_built_model_would_compute_differently_from_hf_is_refused():
