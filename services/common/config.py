@@ -453,6 +453,9 @@ class MegatronConfig(Section):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
+    context_parallel_size: int = Field(1, gt=0)
+    """Each row's positions split over this many ranks (megatron's load-balanced chunks), attention over the whole
+    row: megatron_context_parallel.py."""
     sequence_parallel: bool = False
     """With tensor_model_parallel_size > 1, the norms, residuals and dropout run on each tensor-parallel rank's slice
     of the sequence (the same math, less activation memory); at 1 there is nothing to split. Megatron-Core requires

@@ -44,7 +44,6 @@ INERT = (Rule(f"{M}.*", when(f"{M}.enabled", False),
 """The rule for every megatron_cfg key when the FSDP2 trainer runs."""
 
 RULES: tuple[Rule, ...] = (
-    Rule(f"{M}.context_parallel_size", is_(1), "context parallelism is not built"),
     Rule(f"{M}.expert_tensor_parallel_size", lambda v, _: v in (1, None),
          "each rank of expert_model_parallel_size holds whole experts: expert tensor parallelism is not built"),
     Rule(f"{M}.moe_enable_deepep", is_(False), "DeepEP's dispatcher is not built (moe_token_dispatcher_type "

@@ -31,12 +31,12 @@ def need_megatron() -> None:
     need_module("megatron", "bring megatron-core's wheel (tests/gpu/README.md)")
 
 
-def megatron_config(tied: bool, precision: str = "float32", tp: int = 1):
+def megatron_config(tied: bool, precision: str = "float32", tp: int = 1, cp: int = 1):
     from trainer_harness import config
 
     return config(*overrides(SHAPE, tied=tied), f"policy.precision={precision}",
                   "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
-                  "policy.max_total_sequence_length=64")
+                  f"policy.megatron_cfg.context_parallel_size={cp}", "policy.max_total_sequence_length=64")
 
 
 def build(cfg):

@@ -162,6 +162,37 @@ def test_megatron_qwen3_moe_at_tp_2_ep_2_with_sequence_parallelism_matches_hf_lo
     run_ranks(2, _megatron_moe_rank)
 
 
+def _megatron_cp2_rank(rank: int) -> None:
+    import torch
+    from test_megatron_gpu import build, megatron_config, step
+    from trainer_harness import step_batch
+
+    from services.common.modeling import load_policy, token_logprobs
+    from services.trainer.backends.megatron import micro_batches
+
+    cfg = megatron_config(tied=False, cp=2)
+    backend = build(cfg)
+    batch, _ = step_batch(cfg)
+    got = backend._all_logprobs(batch, micro_batches(len(batch), 0, 1, cfg.policy.train_micro_batch_size, 1))
+    hf, _ = load_policy(cfg.policy.model_copy(update={"precision": "float32"}), cfg.run.seed, "cuda")
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda()).logits[:, :-1]
+    want = token_logprobs(logits, batch.targets.cuda(), cfg.policy.generation.temperature).cpu()
+    gap = (got - want)[batch.token_mask.bool()].abs().max().item()
+    assert gap <= 1e-3, f"context-parallel logprobs differ from HF's by {gap}"
+    step(backend, cfg)
+
+
+def test_megatron_context_parallel_2_gives_the_hf_models_logprobs_and_steps():
+    """Each GPU holds two mirrored chunks of every row (megatron's layout), attends over the whole row's keys
+    (megatron_context_parallel.py), and gives back the whole row's logprobs."""
+    from trainer_harness import run_ranks
+
+    need_gpus(2)
+    need_module("megatron", "bring megatron-core's wheel (tests/gpu/README.md)")
+    run_ranks(2, _megatron_cp2_rank)
+
+
 def test_nccl_trainer_to_vllm_rollout_trains_5_steps(tmp_path, figures):
     """The GPU path users take: FSDP2 trainer on one GPU, a vLLM worker on another, weights over NCCL."""
     need_module("vllm", VLLM_WHY)

@@ -1,4 +1,5 @@
-"""The Megatron-Core backend (policy.megatron_cfg.enabled): tensor, pipeline, sequence and expert parallel GPTModel.
+"""The Megatron-Core backend (policy.megatron_cfg.enabled): tensor, pipeline, sequence, context and expert parallel
+GPTModel.
 
 megatron-core 0.16.1 needs CUDA for a forward pass. What runs on CPU is tested there: the weight conversion
 (hf_megatron.py, bit for bit, and in the rollout manifest's order, tied and untied), building the model
@@ -8,14 +9,13 @@ weight decay are tested on megatron-core's own param groups (tests/unit/trainer/
 H100 (docs/gpu.md) the GPU check ran TP = PP = 1: logits against the HF model, a step, the manifest, a checkpoint
 saved and loaded, float32 and bfloat16. TP or PP > 1 on GPUs, the gathers on NCCL, the sequence masking's
 forward (grpo.seq_logprob_error_threshold), Qwen3-MoE (its router and experts, expert and sequence parallelism)
-have not executed; the GPU check holds them for the next GPU run (EP and SP need 2 GPUs).
+and context parallelism have not executed; the GPU check holds them for the next GPU run (EP, SP, CP need 2 GPUs).
 
-Layout: ranks = data parallel x pipeline x tensor (initialize_model_parallel); a MoE layer's experts are split
-over expert_model_parallel_size ranks of the data-parallel x tensor grid. The HF weights are loaded on CPU,
-converted, and each rank keeps its pipeline stage's experts and tensor shard. Loss and
-normalisation are the FSDP2 backend's: clipped_pg_loss with the step's global counts; the
-schedule divides each micro-batch loss by the number of micro-batches and DDP averages over
-data-parallel ranks, so the loss is multiplied by both to make them sums.
+Layout: ranks = data parallel x pipeline x context x tensor (initialize_model_parallel); a MoE layer's experts are
+split over expert_model_parallel_size ranks of the data-parallel x tensor grid. The HF weights are loaded on CPU,
+converted, and each rank keeps its pipeline stage's experts and tensor shard. Loss and normalisation are the FSDP2
+backend's: clipped_pg_loss with the step's global counts; the schedule divides each micro-batch loss by the number
+of micro-batches and DDP averages over data-parallel ranks, so the loss is multiplied by both to make them sums.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class MegatronBackend(TrainingBackend):
         self.cfg, self.rank, self.world = cfg, info.rank, info.world
         # Whole experts on each rank (megatron's default would split them over the tensor-parallel ranks too)
         ps.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                     context_parallel_size=m.context_parallel_size,
                                      expert_model_parallel_size=m.expert_model_parallel_size,
                                      expert_tensor_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
@@ -85,31 +86,43 @@ class MegatronBackend(TrainingBackend):
     # ---- training ------------------------------------------------------------------------------
 
     def _run(self, batch: TrainBatch, rows: list[list[int]], loss_of, forward_only: bool = False):
+        """Megatron's schedule over the micro-batches `rows`; on the last pipeline stage loss_of(rows, logprobs)
+        gets the weights' [rows, L-1] logprobs of the batch's targets, whole rows on every context-parallel rank."""
+        import torch.nn.functional as F
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from services.trainer.backends.megatron_context_parallel import whole_row, zigzag_positions
+
+        ps, p = self.ps, self.cfg.policy
+        cp = ps.get_context_parallel_world_size()
+        length = batch.input_ids.shape[1]
+        width = padded_width(length, self.tp if self.tconfig.sequence_parallel else 1, cp)
+        mine = zigzag_positions(width, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(width)
+        # Causal attention: the padding at the end changes no earlier position, and its logprobs are dropped.
+        ids = F.pad(batch.input_ids, (0, width - length))[:, mine]
+        targets = F.pad(batch.targets, (0, width - length + 1))[:, mine]  # each position's next token
         # Float16Module's logits stay in the compute dtype: vocab_parallel_logprobs upcasts a chunk at a time.
         half = dict(fp32_output=False) if self.tconfig.bf16 or self.tconfig.fp16 else {}
-        length = batch.input_ids.shape[1]
-        padded = sequence_parallel_length(length, self.tp if self.tconfig.sequence_parallel else 1)
 
         def step(iterator, model):
             mb = next(iterator)
-            ids = torch.nn.functional.pad(batch.input_ids[mb], (0, padded - length)).cuda()
-            logits = model(input_ids=ids, position_ids=None, attention_mask=None, **half)
-            # Causal attention: the padding at the end changes no earlier position, and its logits are dropped.
-            return logits, lambda out: loss_of(mb, out[:, :length])
+            logits = model(input_ids=ids[mb].cuda(), position_ids=None, attention_mask=None, **half)
+
+            def loss(out: Tensor):
+                logprobs = vocab_parallel_logprobs(out, targets[mb].cuda(), p.generation.temperature,
+                                                   p.logprob_chunk_size)
+                if cp > 1:
+                    logprobs = whole_row(logprobs, ps.get_context_parallel_group())
+                return loss_of(mb, logprobs[:, :length - 1])
+
+            return logits, loss
 
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
-            seq_length=padded, micro_batch_size=max(map(len, rows)), forward_only=forward_only)
-
-    def _logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
-        p = self.cfg.policy
-        return vocab_parallel_logprobs(logits[:, :-1], targets.cuda(), p.generation.temperature,
-                                       p.logprob_chunk_size)
+            seq_length=width, micro_batch_size=max(map(len, rows)), forward_only=forward_only)
 
     def train_step(self, b: TrainBatch, advantages: Tensor) -> dict[str, float]:
-        dp = self.ps.get_data_parallel_world_size()
+        dp, cp = self.ps.get_data_parallel_world_size(), self.ps.get_context_parallel_world_size()
         rows = micro_batches(len(b), self.ps.get_data_parallel_rank(), dp, self.cfg.policy.train_micro_batch_size,
                              self.pp)
         b, masking = self._mask_by_sequence_error(b, rows)
@@ -120,12 +133,14 @@ class MegatronBackend(TrainingBackend):
         data = LossInputs(prev_logprobs=None, generation_logprobs=b.generation_logprobs, advantages=advantages,
                           token_mask=b.token_mask, sample_mask=b.sample_mask)
 
-        def loss_of(mb_rows, logits):
-            curr = self._logprobs(logits, b.targets[mb_rows])
+        def loss_of(mb_rows, curr):
             part = LossInputs(**{f: getattr(data, f)[mb_rows].cuda() if getattr(data, f) is not None else None
                                  for f in LossInputs.__slots__})
             loss, metrics = clipped_pg_loss(curr, part, self.cfg.loss_fn, **totals)
-            return loss * len(rows) * dp, metrics  # undo the schedule's and DDP's averaging
+            # Undo the schedule's and DDP's averaging. Under context parallelism each rank's loss is the whole
+            # rows' (megatron_context_parallel.py): the schedule multiplies it by cp, and the logprobs' gather sums
+            # cp copies of its gradient, where DDP averages over dp x cp ranks: one division by cp cancels.
+            return loss * len(rows) * dp / cp, metrics
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -171,9 +186,8 @@ class MegatronBackend(TrainingBackend):
         ps = self.ps
         out = torch.zeros(b.targets.shape, dtype=torch.float32, device="cuda")
 
-        def keep(mb_rows, logits):
-            logprobs = self._logprobs(logits, b.targets[mb_rows]).detach()
-            out[mb_rows] = logprobs
+        def keep(mb_rows, logprobs):
+            out[mb_rows] = logprobs.detach()
             return logprobs.sum() * 0, {}
 
         self.model.eval()  # no dropout (policy.hf_config_overrides may set some), no recompute
@@ -260,10 +274,12 @@ def restore(optimizers: list[Optimizer], schedulers: list[LRScheduler], states: 
             g["lr"] = lr
 
 
-def sequence_parallel_length(length: int, tp: int) -> int:
-    """`length` rounded up to a multiple of `tp`: sequence parallelism gives each tensor-parallel rank an equal
-    slice of every sequence (NeMo RL's make_sequence_length_divisible_by)."""
-    return -(-length // tp) * tp
+def padded_width(length: int, tp: int, cp: int) -> int:
+    """`length` rounded up to what splits evenly: `cp` context-parallel ranks hold 2 chunks each, and sequence
+    parallelism (`tp` > 1) gives each tensor-parallel rank an equal slice of those (NeMo RL's
+    make_sequence_length_divisible_by)."""
+    unit = tp * (2 * cp if cp > 1 else 1)
+    return -(-length // unit) * unit
 
 
 def micro_batches(n: int, dp_rank: int, dp: int, size: int, pp: int) -> list[list[int]]:

@@ -2,7 +2,8 @@
 
     HF config + policy ──transformer_config──▶ TransformerConfig (dims, dropout, dtypes, TP/PP/EP, routing)
     layer_spec: Transformer Engine's modules when transformer_engine imports, else Megatron-Core's own (with a
-                norm that takes sequence parallelism, which megatron's torch norm refuses)
+                norm that takes sequence parallelism and an attention that takes context parallelism, which
+                megatron's own refuse without TE)
     build_gpt: GPTModel for this rank's pipeline stage ◀── its PP/EP/TP shard of the HF weights (hf_megatron.py)
                └─ Float16Module around it under bf16/fp16, as Megatron-LM's training does
     gather_hf: every rank's shard ──▶ the HF state dict in the rollout manifest's order
@@ -22,7 +23,7 @@ import logging
 
 import torch
 
-from services.common.config import MegatronConfig, PolicyConfig
+from services.common.config import PolicyConfig
 from services.trainer.backends.hf_megatron import (Shape, ep_merge, ep_split, hf_to_megatron, is_expert,
                                                    megatron_to_hf, pp_merge, pp_split, tp_merge, tp_split)
 
@@ -37,35 +38,29 @@ def te_available() -> bool:
     return gpt_layer_specs.HAVE_TE
 
 
-def te_only(m: MegatronConfig) -> list[str]:
-    """What `m` asks for that megatron-core 0.16 does only with Transformer Engine. Refused with or without it:
-    neither is wired into this backend (Flywheel's extras do not install TE). The keys are NeMo RL's
-    megatron_cfg names; one the schema does not hold counts as unset."""
-    reasons = []
-    if getattr(m, "context_parallel_size", 1) > 1:
-        reasons.append("context_parallel_size > 1 (the local spec's DotProductAttention has no context parallelism)")
-    fp8 = getattr(m, "fp8_cfg", None) or {}
-    if fp8.get("enabled") if isinstance(fp8, dict) else getattr(fp8, "enabled", False):
-        reasons.append("fp8_cfg.enabled (FP8 GEMMs are Transformer Engine's)")
-    return reasons
-
-
 def layer_spec(te: bool, tconfig):
     """The decoder's modules: the TE spec fuses the RMSNorms into linear_qkv and a dense linear_fc1; the local spec
-    keeps them apart (torch's RMSNorm, or SequenceParallelRMSNorm under sequence parallelism). MoE layers get
+    keeps them apart (torch's RMSNorm, or SequenceParallelRMSNorm under sequence parallelism) and attends with
+    megatron's DotProductAttention, or ContextParallelAttention under context parallelism. MoE layers get
     Megatron-Core's router and SequentialMLP experts."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from services.trainer.backends.megatron_context_parallel import ContextParallelAttention
 
     experts = dict(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tconfig.qk_layernorm)
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(**experts)
     layer = specs.get_gpt_layer_local_spec(**experts, normalization="RMSNorm")
-    if not tconfig.sequence_parallel:
+    swaps = ({WrappedTorchNorm: SequenceParallelRMSNorm} if tconfig.sequence_parallel else {}) | (
+        {DotProductAttention: ContextParallelAttention} if tconfig.context_parallel_size > 1 else {})
+    if not swaps:
         return layer
     # The final norm too: megatron picks the block's from what is installed, which here is its torch norm.
-    return TransformerBlockSubmodules(layer_specs=[_replace_norm(layer)] * get_num_layers_to_build(tconfig),
-                                      layer_norm=SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[_swap(layer, swaps)] * get_num_layers_to_build(tconfig),
+                                      layer_norm=swaps.get(WrappedTorchNorm, WrappedTorchNorm))
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -79,17 +74,15 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def _replace_norm(spec):
-    """`spec` with every megatron WrappedTorchNorm (the local spec's norms, q/k norms included) replaced by
-    SequenceParallelRMSNorm."""
+def _swap(spec, swaps: dict):
+    """`spec` with each module class in `swaps` replaced wherever it appears (every norm, q/k norms included; the
+    core attention)."""
     import dataclasses
 
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return SequenceParallelRMSNorm
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _replace_norm(getattr(spec, f.name))
+    if isinstance(spec, type):
+        return swaps.get(spec, spec)
+    if dataclasses.is_dataclass(spec):
+        return dataclasses.replace(spec, **{f.name: _swap(getattr(spec, f.name), swaps)
                                             for f in dataclasses.fields(spec) if f.init})
     return spec
 
@@ -151,7 +144,7 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
         attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)), apply_rope_fusion=fusion and te,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
-        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size, context_parallel_size=m.context_parallel_size,
         sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu, **recompute(policy.activation_checkpointing), **moe)
@@ -173,9 +166,6 @@ def build_gpt(hf, policy: PolicyConfig, cpu: bool = False) -> tuple[torch.nn.Mod
 
     c = hf.config
     check_architecture(c)
-    if refused := te_only(policy.megatron_cfg):
-        raise ValueError("policy.megatron_cfg asks for what only Transformer Engine provides, which this backend "
-                         "does not build: " + "; ".join(refused))
     if policy.megatron_cfg.moe_router_enable_expert_bias and Shape.of(c).num_experts:
         raise ValueError("policy.megatron_cfg.moe_router_enable_expert_bias: the Hugging Face weights rollout loads "
                          f"({c.model_type}) have no router bias, so rollout would route differently")

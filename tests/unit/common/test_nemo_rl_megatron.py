@@ -33,7 +33,6 @@ def test_megatron_workers_env_vars_go_to_the_trainer_and_dtensors_stay_inert():
 
 
 @pytest.mark.parametrize("override, reason", [
-    ("policy.megatron_cfg.context_parallel_size=2", "context parallelism is not built"),
     ("policy.megatron_cfg.expert_tensor_parallel_size=2", "expert tensor parallelism is not built"),
     ("policy.megatron_cfg.moe_enable_deepep=true", "DeepEP's dispatcher is not built"),
     ("policy.megatron_cfg.moe_token_dispatcher_type=flex", "'alltoall' or 'allgather'"),
@@ -60,6 +59,7 @@ def test_the_moe_keys_of_nemo_rls_qwen3_30b_a3b_recipe_reach_the_backends_config
     cfg, notes = load(CONFIGS / "grpo_math_qwen30ba3b_megatron.yaml", EDITS)
     m = cfg.policy.megatron_cfg
     assert (m.tensor_model_parallel_size, m.expert_model_parallel_size, m.sequence_parallel) == (2, 8, True)
+    assert m.context_parallel_size == 1
     assert (m.freeze_moe_router, m.moe_router_dtype, m.moe_router_load_balancing_type, m.moe_token_dispatcher_type
             ) == (True, "fp64", "none", "alltoall")
     keys = {key for key, _ in notes}
