@@ -453,6 +453,10 @@ class MegatronConfig(Section):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
+    num_layers_in_first_pipeline_stage: int | None = Field(None, gt=0)
+    num_layers_in_last_pipeline_stage: int | None = Field(None, gt=0)
+    """Uneven pipeline stages, as megatron-core places them: the first and last stages hold these many layers, the
+    stages between them share the rest evenly; None: an even share."""
     context_parallel_size: int = Field(1, gt=0)
     """Each row's positions split over this many ranks (megatron's load-balanced chunks), attention over the whole
     row: megatron_context_parallel.py."""

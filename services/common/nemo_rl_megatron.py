@@ -53,8 +53,6 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{M}.moe_router_bias_update_rate", any_, _with("moe_router_enable_expert_bias")),
     *(Rule(f"{M}.{k}", any_, KERNEL) for k in ("moe_permute_fusion", "moe_grouped_gemm", "moe_shared_expert_overlap")),
     Rule(f"{M}.moe_per_layer_logging", any_, "a log"),
-    Rule(f"{M}.num_layers_in_first_pipeline_stage", is_(None), "the backend splits layers evenly over stages"),
-    Rule(f"{M}.num_layers_in_last_pipeline_stage", is_(None), "the backend splits layers evenly over stages"),
     Rule(f"{M}.pipeline_dtype", same_as("policy.precision"),
          "pipeline stages exchange activations at policy.precision"),
     Rule(f"{M}.recompute_granularity", lambda v, t: v == "full" or not get(t, "policy.activation_checkpointing"),

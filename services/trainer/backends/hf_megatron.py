@@ -256,37 +256,47 @@ def tp_merge(shards: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def pp_split(mc: dict[str, Tensor], s: Shape, pp: int) -> list[dict[str, Tensor]]:
-    """One state per pipeline stage: consecutive layers (renumbered from 0), the embedding on the
-    first stage, the final norm and output layer on the last (a tied model's last stage: a copy of the
-    embedding, as Megatron keeps one there)."""
-    if s.num_layers % pp:
-        raise ValueError(f"{s.num_layers} layers do not split over pipeline_model_parallel_size {pp}")
-    per = s.num_layers // pp
-    stages: list[dict[str, Tensor]] = [{} for _ in range(pp)]
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage, as megatron-core places them (num_layers_in_{first,last}_pipeline_stage): the
+    first and last stages hold what they are given, the stages between them share the rest evenly."""
+    fixed = {0: first, pp - 1: last} if pp > 1 else {}
+    given = {stage: n for stage, n in fixed.items() if n is not None}
+    rest, middle = num_layers - sum(given.values()), pp - len(given)
+    if rest < 0 or (middle and rest % middle) or (not middle and rest):
+        raise ValueError(f"{num_layers} layers do not split over pipeline_model_parallel_size {pp} with "
+                         f"{first} on the first stage and {last} on the last")
+    return [given.get(stage, rest // middle if middle else 0) for stage in range(pp)]
+
+
+def pp_split(mc: dict[str, Tensor], s: Shape, layers: list[int]) -> list[dict[str, Tensor]]:
+    """One state per pipeline stage, stage i holding layers[i] consecutive layers (renumbered from 0; stage_layers),
+    the embedding on the first stage, the final norm and output layer on the last (a tied model's last stage: a
+    copy of the embedding, as Megatron keeps one there)."""
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    stages: list[dict[str, Tensor]] = [{} for _ in layers]
     for name, t in mc.items():
         if m := LAYER.match(name):
             layer = int(m.group(1))
-            stages[layer // per][f"decoder.layers.{layer % per}.{m.group(2)}"] = t
+            stage = max(i for i, start in enumerate(starts) if start <= layer and layers[i])
+            stages[stage][f"decoder.layers.{layer - starts[stage]}.{m.group(2)}"] = t
         elif name.startswith("embedding."):
             stages[0][name] = t
         else:
             stages[-1][name] = t
-    if s.tied and pp > 1:
+    if s.tied and len(layers) > 1:
         stages[-1]["output_layer.weight"] = mc["embedding.word_embeddings.weight"]
     return stages
 
 
-def pp_merge(stages: list[dict[str, Tensor]], s: Shape) -> dict[str, Tensor]:
+def pp_merge(stages: list[dict[str, Tensor]], s: Shape, layers: list[int]) -> dict[str, Tensor]:
     """The inverse of pp_split (a tied model's output_layer copy dropped)."""
-    per = s.num_layers // len(stages)
     out = {}
     for index, stage in enumerate(stages):
         for name, t in stage.items():
             if s.tied and name == "output_layer.weight":
                 continue
             m = LAYER.match(name)
-            out[f"decoder.layers.{index * per + int(m.group(1))}.{m.group(2)}" if m else name] = t
+            out[f"decoder.layers.{sum(layers[:index]) + int(m.group(1))}.{m.group(2)}" if m else name] = t
     return out
 
 

@@ -25,7 +25,8 @@ import torch
 
 from services.common.config import PolicyConfig
 from services.trainer.backends.hf_megatron import (Shape, ep_merge, ep_split, hf_to_megatron, is_expert,
-                                                   megatron_to_hf, pp_merge, pp_split, tp_merge, tp_split)
+                                                   megatron_to_hf, pp_merge, pp_split, stage_layers, tp_merge,
+                                                   tp_split)
 
 log = logging.getLogger("flywheel.trainer.megatron")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -145,6 +146,9 @@ def transformer_config(c, policy: PolicyConfig, te: bool, cpu: bool = False):
         hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)), apply_rope_fusion=fusion and te,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size, context_parallel_size=m.context_parallel_size,
+        # megatron refuses them at PP 1, where a single stage holds every layer anyway
+        **{k: getattr(m, k) if m.pipeline_model_parallel_size > 1 else None
+           for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")},
         sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu, **recompute(policy.activation_checkpointing), **moe)
@@ -191,7 +195,7 @@ def load_shard(gpt: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: S
     """Copy this rank's pipeline stage, experts and tensor shard of the HF weights into `gpt` (cast to its dtype)."""
     from megatron.core import parallel_state as ps
 
-    stages = pp_split(hf_to_megatron(hf_state, shape), shape, ps.get_pipeline_model_parallel_world_size())
+    stages = pp_split(hf_to_megatron(hf_state, shape), shape, layers_per_stage(gpt.config))
     experts = ep_split(stages[ps.get_pipeline_model_parallel_rank()], shape, ps.get_expert_model_parallel_world_size())
     shards = tp_split(experts[ps.get_expert_model_parallel_rank()], shape, ps.get_tensor_model_parallel_world_size())
     missing, unexpected = gpt.load_state_dict(shards[ps.get_tensor_model_parallel_rank()], strict=False)
@@ -220,7 +224,13 @@ def gather_hf(gpt: torch.nn.Module, shape: Shape) -> dict[str, torch.Tensor]:
     dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
     if ps.get_pipeline_model_parallel_rank() or ps.get_tensor_model_parallel_rank():
         return {}
-    return megatron_to_hf(pp_merge(stages, shape), shape)
+    return megatron_to_hf(pp_merge(stages, shape, layers_per_stage(gpt.config)), shape)
+
+
+def layers_per_stage(tconfig) -> list[int]:
+    """How many decoder layers each pipeline stage of a model built with `tconfig` holds."""
+    return stage_layers(tconfig.num_layers, tconfig.pipeline_model_parallel_size,
+                        tconfig.num_layers_in_first_pipeline_stage, tconfig.num_layers_in_last_pipeline_stage)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

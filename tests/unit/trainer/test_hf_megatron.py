@@ -7,13 +7,15 @@ import os
 
 import pytest
 import torch
+from needs import require_module
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from services.common.infra import free_port
 from services.common.weights.manifest import Manifest
 from services.rollout.engines.vllm import hf_manifest
 from services.trainer.backends.hf_megatron import (Shape, ep_merge, ep_split, hf_to_megatron, is_expert,
-                                                   megatron_to_hf, pp_merge, pp_split, tp_merge, tp_split)
+                                                   megatron_to_hf, pp_merge, pp_split, stage_layers, tp_merge,
+                                                   tp_split)
 
 ARCH = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
 MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
@@ -136,12 +138,16 @@ def test_megatron_to_hf_is_the_rollout_manifest_of_the_same_hf_model(arch, fused
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, tied):
+@pytest.mark.parametrize("tp,pp,first,last", [(2, 1, None, None), (1, 2, None, None), (2, 2, None, None),
+                                              (1, 2, 1, None), (1, 3, 1, 1)], ids=["tp2", "pp2", "tp2pp2",
+                                                                                     "pp2_first1", "pp3_ends1"])
+def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, first, last, tied):
     model = hf_model("qwen2", tied)
     shape = Shape.of(model.config)
     mc = hf_to_megatron(model.state_dict(), shape)
-    stages = pp_split(mc, shape, pp)
+    layers = stage_layers(shape.num_layers, pp, first, last)
+    stages = pp_split(mc, shape, layers)
+    assert [len({n.split(".")[2] for n in stage if n.startswith("decoder.layers.")}) for stage in stages] == layers
     assert "embedding.word_embeddings.weight" in stages[0]
     # The last stage holds an output layer unless one stage holds both ends of a tied model.
     assert ("output_layer.weight" in stages[-1]) is (not tied or pp > 1)
@@ -152,9 +158,32 @@ def test_tensor_and_pipeline_shards_merge_back_bit_for_bit(tp, pp, tied):
     per_group = (shape.num_heads // shape.num_kv_heads + 2) * shape.head_dim
     assert torch.equal(qkv, mc["decoder.layers.0.self_attention.linear_qkv.weight"][-qkv.shape[0]:])
     assert qkv.shape[0] == per_group * shape.num_kv_heads // tp
-    merged = pp_merge([tp_merge(s, shape) for s in shards], shape)
+    merged = pp_merge([tp_merge(s, shape) for s in shards], shape, layers)
     assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
     assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
+
+
+@pytest.mark.parametrize("num_layers,pp,first,last", [(8, 2, None, None), (8, 2, 3, None), (8, 2, None, 2),
+                                                      (10, 4, 1, 3), (9, 4, 3, None), (7, 3, None, 1),
+                                                      (6, 1, None, None)])
+def test_stage_layers_are_where_megatron_core_builds_them(num_layers, pp, first, last):
+    """The oracle is megatron-core's own get_num_layers_to_build, asked for each pipeline rank."""
+    require_module("megatron.core")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    want = [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)]
+    assert stage_layers(num_layers, pp, first, last) == want
+
+
+def test_stage_layers_refuse_a_split_megatron_would_refuse():
+    with pytest.raises(ValueError, match="8 layers do not split over pipeline_model_parallel_size 3 with 1 on"):
+        stage_layers(8, 3, 1, None)  # 7 left for 2 stages
+    with pytest.raises(ValueError, match="do not split"):
+        stage_layers(8, 2, 3, 3)
 
 
 def experts_of(state: dict, layer: int) -> dict[int, tuple]:
@@ -212,14 +241,16 @@ def test_pipeline_expert_and_tensor_shards_merge_back_bit_for_bit(tied):
     shape = Shape.of(model.config)
     mc = hf_to_megatron(model.state_dict(), shape)
     pp, ep, tp = 2, 2, 2
+    layers = stage_layers(shape.num_layers, pp)
     grid = [[tp_split(state, shape, tp) for state in ep_split(stage, shape, ep)]
-            for stage in pp_split(mc, shape, pp)]
+            for stage in pp_split(mc, shape, layers)]
     # Stage 1, EP rank 1, TP rank 0: its layer 0 is global layer 2, its expert 0 global expert 2, whole.
     fc1 = grid[1][1][0]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
     assert torch.equal(fc1, mc["decoder.layers.2.mlp.experts.local_experts.2.linear_fc1.weight"])
     assert all(len(experts_of(shard, 0)) == shape.num_experts // ep
                for stage in grid for rank in stage for shard in rank)
-    merged = pp_merge([ep_merge([tp_merge(shards, shape) for shards in stage], shape) for stage in grid], shape)
+    merged = pp_merge([ep_merge([tp_merge(shards, shape) for shards in stage], shape) for stage in grid], shape,
+                      layers)
     assert merged.keys() == mc.keys() and all(torch.equal(merged[n], t) for n, t in mc.items())
     assert Manifest.of(megatron_to_hf(merged, shape)) == hf_manifest(model)
 

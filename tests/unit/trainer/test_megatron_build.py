@@ -138,9 +138,11 @@ def _parallel_rank(rank: int, tp: int, pp: int, hf_state: dict, out: str) -> Non
 
 
 def parallel_policy(tp: int, pp: int):
+    """With PP 2, uneven stages (NeMo RL's num_layers_in_first_pipeline_stage): 1 layer on the first, 3 on the last."""
     return policy("policy.precision=bfloat16", "policy.tiny.num_hidden_layers=4", "policy.tiny.num_attention_heads=4",
                   f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
-                  f"policy.megatron_cfg.pipeline_model_parallel_size={pp}")
+                  f"policy.megatron_cfg.pipeline_model_parallel_size={pp}",
+                  *(["policy.megatron_cfg.num_layers_in_first_pipeline_stage=1"] if pp > 1 else []))
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
@@ -150,7 +152,7 @@ def test_two_gloo_ranks_build_their_shards_give_every_weight_back_and_make_the_c
     hf = hf_model(parallel_policy(tp, pp))
     run_ranks(2, _parallel_rank, tp, pp, hf.state_dict(), str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt")
-    assert got["layers"] == 4 // pp and got["pipeline_dtype"] == torch.bfloat16
+    assert got["layers"] == (1 if pp == 2 else 4) and got["pipeline_dtype"] == torch.bfloat16
     first, last = got["names"]
     if pp == 2:
         assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
