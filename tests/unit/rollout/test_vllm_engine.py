@@ -98,3 +98,19 @@ def test_vllm_kwargs_pass_through_unless_unknown_or_set_by_flywheel():
         engine_kwargs(ours, {"max_num_tokns": 1}, known)
     with pytest.raises(ValueError, match="vllm_kwargs: max_num_seqs: set by Flywheel"):
         engine_kwargs(ours, {"max_num_seqs": 64}, known)
+
+
+def test_expert_parallelism_is_vllms_over_the_engines_tensor_parallel_ranks_and_needs_gpus():
+    from services.common.config import ConfigError
+    from services.rollout.engines.vllm import engine_parallelism
+
+    v = load_config(None, ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=4",
+                           "policy.generation.vllm_cfg.expert_parallel_size=4"]).policy.generation.vllm_cfg
+    assert engine_parallelism(v, cuda=True) == dict(tensor_parallel_size=4, enable_expert_parallel=True)
+    assert engine_parallelism(v.model_copy(update={"expert_parallel_size": 1}), cuda=False) == dict(
+        tensor_parallel_size=4, enable_expert_parallel=False)
+    with pytest.raises(ValueError, match="needs GPUs: vLLM's CPU MoE kernels crash"):
+        engine_parallelism(v, cuda=False)
+    with pytest.raises(ConfigError, match="vllm_cfg.expert_parallel_size: 8 is neither 1 nor tensor_parallel_size"):
+        load_config(None, ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=4",
+                           "policy.generation.vllm_cfg.expert_parallel_size=8"])
