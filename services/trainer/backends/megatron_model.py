@@ -205,7 +205,8 @@ def load_shard(gpt: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: S
 
 def gather_hf(gpt: torch.nn.Module, shape: Shape) -> dict[str, torch.Tensor]:
     """Collective over this rank's tensor, expert and pipeline groups: every shard of `gpt`, as HF weights (on the
-    host, names in HF's order), on the first rank of the pipeline group; {} elsewhere. The tensor group merges
+    host, names in HF's order), on the first tensor-parallel rank of the first pipeline stage of each data-parallel
+    replica (the backend publishes global rank 0's); {} elsewhere. The tensor group merges
     the dense weights (a tensor group's ranks may hold different experts), the expert group the experts (whole on
     each rank), then the pipeline group the stages."""
     import torch.distributed as dist
