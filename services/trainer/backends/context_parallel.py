@@ -52,17 +52,28 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
     layer has one). attention_mask is None: no mask is built for this implementation, and rows are right-padded."""
     if softcap is not None:
         raise ValueError("context parallelism: attention logit softcapping is not built")
-    # One collective for both: two would have to run in the same order on every rank in backward too.
-    key, value = gather_positions(torch.cat([key, value], dim=-1), group, 2).split(key.shape[-1], dim=-1)
     k = query.shape[2]
     q_pos = torch.arange(k, device=query.device) + dist.get_rank(group) * k
-    k_pos = torch.arange(key.shape[2], device=query.device)
+    k_pos = torch.arange(k * dist.get_world_size(group), device=query.device)
+    out = attend_over_row(query, key, value, q_pos, k_pos, group, scale=scaling, sliding_window=sliding_window,
+                          dropout=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attend_over_row(query: Tensor, key: Tensor, value: Tensor, q_pos: Tensor, k_pos: Tensor,
+                    group: dist.ProcessGroup, scale: float | None = None, sliding_window: int | None = None,
+                    dropout: float = 0.0) -> Tensor:
+    """Queries [B, H, q, D] at global positions `q_pos` against the whole row's keys and values: this rank's
+    [B, Hkv, k, D] gathered over `group`, the gathered positions (in rank order) being `k_pos`. Causal over global
+    positions, and within `sliding_window` when given; returns [B, H, q, D]. Both backends' context parallelism
+    attend through it, each with its own layout of positions over ranks."""
+    # One collective for both: two would have to run in the same order on every rank in backward too.
+    key, value = gather_positions(torch.cat([key, value], dim=-1), group, 2).split(key.shape[-1], dim=-1)
     allowed = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout if module.training
-                                         else 0.0, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scale,
+                                          enable_gqa=key.shape[1] != query.shape[1])
 
 
 def chunk_of(ids: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:

@@ -12,8 +12,8 @@ context_parallel_size > 1, and Transformer Engine's attention, which has it, is 
 Gradients: the logprobs' all-gather sums the group's n identical loss gradients back onto each rank's positions, and
 megatron's schedule multiplies a step's loss by n as well, while its DDP averages over data-parallel x context-
 parallel ranks: the backend divides its loss by n once to cancel (megatron.py). All-gather rather than ring
-attention, as the FSDP2 backend's context parallelism does it (context_parallel.py, whose differentiable gather this
-uses): it holds a whole row's keys and values per layer. Tested on CPU with gloo against attention over the whole
+attention, through the FSDP2 backend's context parallelism's own attend_over_row (context_parallel.py), each backend
+with its layout of positions: it holds a whole row's keys and values per layer. Tested on CPU with gloo against attention over the whole
 row, values and gradients; megatron-core's forward around it needs CUDA.
 """
 
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from services.trainer.backends.context_parallel import gather_positions
+from services.trainer.backends.context_parallel import attend_over_row, gather_positions
 
 
 def zigzag_positions(width: int, n: int, rank: int) -> Tensor:
@@ -73,12 +72,9 @@ class ContextParallelAttention(MegatronModule):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("context parallelism without Transformer Engine: attention biases and packed "
                              "sequences are not built")
-        # One collective for both: two would have to run in the same order on every rank in backward too.
-        key, value = gather_positions(torch.cat([key, value], dim=-1), self.group, 0).split(key.shape[-1], dim=-1)
         width = query.shape[0] * self.group.size()
         q_pos = zigzag_positions(width, self.group.size(), self.group.rank()).to(query.device)
         k_pos = group_positions(width, self.group).to(query.device)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos[None, :] <= q_pos[:, None],
-                                             scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
+        out = attend_over_row(q, k, v, q_pos, k_pos, self.group, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
